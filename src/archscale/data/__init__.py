@@ -1,0 +1,1 @@
+"""Data: tokenizers, the packed shard format, preparation and the stateful loader."""

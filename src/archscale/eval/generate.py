@@ -1,0 +1,71 @@
+"""Load a trained model and sample from it.
+
+Decoding re-runs the full forward for each new token (no KV cache yet: incremental decoding arrives with the
+architecture work); fine for the short samples the demo prints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from archscale.config import ModelConfig
+from archscale.errors import UserError
+from archscale.models.model import GPT
+from archscale.train import checkpoint as ckpt
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run dir (newest complete checkpoint), a checkpoints/ dir, or one checkpoints/step-* dir."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"--checkpoint {path}: no such file or directory")
+    if (path / "COMPLETE").exists():
+        return path
+    for root in (path / "checkpoints", path):
+        found = ckpt.find_latest(root, warn=lambda m: None)
+        if found is not None:
+            return found
+    raise UserError(f"--checkpoint {path}: no complete checkpoint found (expected checkpoints/step-*)")
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
+    """Return (model in eval mode, the run's resolved config dict)."""
+    step_dir = resolve_checkpoint(path)
+    run_cfg = yaml.safe_load((step_dir / "config.yaml").read_text())
+    model = GPT(ModelConfig(**run_cfg["model"]))
+    ckpt.load_checkpoint(step_dir, model, None)
+    return model.to(device).eval(), run_cfg
+
+
+@torch.no_grad()
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+             eos_id: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Append up to `max_new_tokens` sampled tokens to idx (B, T); greedy when temperature == 0."""
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -model.config.block_size:])[:, -1, :].float()
+        if temperature <= 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat([idx, nxt], dim=1)
+        if eos_id is not None and bool((nxt == eos_id).all()):
+            break
+    return idx
+
+
+def generate_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
+                  top_k: int | None = 50, seed: int = 0) -> str:
+    ids = tokenizer.encode(prompt, bos=False, eos=False) if prompt else [tokenizer.eos_id]
+    device = next(model.parameters()).device
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = generate(model, idx, max_new_tokens, temperature, top_k, eos_id=tokenizer.eos_id, generator=gen)
+    new = [t for t in out[0, len(ids):].tolist() if t != tokenizer.eos_id]
+    return prompt + tokenizer.decode(new)

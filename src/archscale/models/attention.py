@@ -1,0 +1,56 @@
+"""Causal self-attention with grouped-query heads (GQA) and RoPE.
+
+One fused projection `attn: d -> (H + 2G) * hd`, laid out as [q (H*hd) | k (G*hd) | v (G*hd)].
+Attention runs through `F.scaled_dot_product_attention` (flash/memory-efficient kernels where the backend has
+them); flash-attn is used on CUDA when installed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archscale.models.rope import apply_rope
+
+try:  # optional CUDA kernel
+    from flash_attn import flash_attn_func  # type: ignore
+except Exception:  # pragma: no cover - not installable without CUDA
+    flash_attn_func = None
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, n_query_groups: int, head_size: int, bias: bool = False,
+                 attn_scale_mult: float = 1.0, use_rope: bool = True):
+        super().__init__()
+        self.n_head, self.n_query_groups, self.head_size = n_head, n_query_groups, head_size
+        self.attn = nn.Linear(n_embd, (n_head + 2 * n_query_groups) * head_size, bias=bias)
+        self.proj = nn.Linear(n_head * head_size, n_embd, bias=bias)
+        self.scale = attn_scale_mult / math.sqrt(head_size)
+        self.use_rope = use_rope
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, G, hd = self.n_head, self.n_query_groups, self.head_size
+        q, k, v = self.attn(x).split((H * hd, G * hd, G * hd), dim=-1)
+        q = q.view(B, T, H, hd).transpose(1, 2)
+        k = k.view(B, T, G, hd).transpose(1, 2)
+        v = v.view(B, T, G, hd).transpose(1, 2)
+        if self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = self._attend(q, k, v)
+        return self.proj(y.transpose(1, 2).reshape(B, T, H * hd))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                  softmax_scale=self.scale, causal=True)
+            return out.transpose(1, 2)
+        if self.n_query_groups != self.n_head:
+            # Expanding K/V to all heads is faster on CPU than SDPA's enable_gqa path.
+            rep = self.n_head // self.n_query_groups
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)

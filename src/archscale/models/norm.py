@@ -1,0 +1,18 @@
+"""RMSNorm computed in fp32 (the residual stream is fp32; autocast casts the output for the next matmul)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)

@@ -1,0 +1,20 @@
+"""Rotary position embedding (half-rotation layout, as Llama/HF), applied in fp32."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_cache(seq_len: int, head_size: int, base: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (seq_len, head_size // 2), fp32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, device=device, dtype=torch.float32) / head_size))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, T, hd); cos/sin: (T, hd/2). Rotates pairs (i, i + hd/2) in fp32, returns x's dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

@@ -1,0 +1,1 @@
+"""Training: config, optimizer, schedule, checkpoints, metrics and the loop."""

@@ -1,0 +1,128 @@
+"""`archscale pretrain` configuration: one dataclass (the CLI is derived from it) and the seed's
+`--train_name` tokens, translated into explicit fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from archscale.errors import UserError
+from archscale.scaling_rules import BaseHyperparameters
+
+
+@dataclass
+class PretrainConfig:
+    """Everything a pretraining run needs. Flags mirror the seed's `pretrain.py` plus explicit ones."""
+
+    train_data_dir: str = "data/train"  # folder of train*.bin shards (from `archscale prepare`)
+    val_data_dir: Optional[str] = None  # folder of validation*.bin shards (default: train_data_dir)
+    data_mixture: Optional[str] = None  # JSON file {"prefix": weight}; default {"train": 1.0}
+    train_model: str = "transformer"  # architecture
+    depth: int = 8
+    ctx_len: int = 4096
+    max_tokens: Optional[float] = None  # token budget; default t0 * N(d) / N(d0)
+    train_name: str = "scaling"  # seed-style name; its tokens set the fields below (logged)
+    resume: str = "auto"  # auto | none | PATH to a checkpoint dir
+    base_hps: BaseHyperparameters = field(default_factory=BaseHyperparameters)
+    vocab_size: Optional[int] = None  # default: the dataset manifest's vocab size
+    micro_bsz: int = 2
+    out_dir: Optional[str] = None  # default runs/<train_name>_<model>_d<depth>_ctx<ctx_len>
+    parametrization: str = "sp"  # sp (mu-P++ comes with the scaling-rules work)
+    tie_embeddings: bool = False
+    rope_base: float = 10000.0
+    schedule: str = "linear"  # linear | cosine | wsd
+    label_smoothing: float = 0.0
+    precision: str = "bf16-mixed"  # fp32 | bf16-mixed
+    strategy: str = "auto"  # auto | single (distributed strategies come with the scale-out work)
+    compile: bool = False
+    seed: int = 3407
+    eval_interval: int = 1000  # optimizer steps between validations (plus one at the end)
+    eval_iters: int = 20  # validation batches per evaluation
+    log_interval: int = 10  # optimizer steps between metrics.csv rows
+    save_interval: int = 1000  # optimizer steps between checkpoints (plus one at the end)
+    keep_last: int = 3  # checkpoints to keep (0 = all)
+    num_workers: int = 1  # logical loader streams per rank
+    fsdp_save_mem: bool = False  # accepted for seed compatibility; needs the scale-out work
+    max_steps: Optional[int] = None  # stop after this many optimizer steps (debugging); the schedule is unchanged
+    progress: bool = True  # console progress bar
+
+
+# token -> (field, value). The name is split on "_"; multi-token keys are matched first.
+TRAIN_NAME_TOKENS: dict[tuple[str, ...], tuple[str, object]] = {
+    ("ori", "mup"): ("parametrization", "mup"),
+    ("mup",): ("parametrization", "mup++"),
+    ("tie",): ("tie_embeddings", True),
+    ("rbase",): ("rope_base", 640000.0),
+    ("varlen",): ("varlen", True),
+    ("ls",): ("label_smoothing", 0.1),
+    ("wsd",): ("schedule", "wsd"),
+    ("cosine",): ("schedule", "cosine"),
+}
+# Naming conventions that carry no setting (they only name the run).
+TRAIN_NAME_NEUTRAL = {"scaling", "hp", "sweep", "demo", "run", "test", "baseline"}
+
+
+def parse_train_name(name: str) -> tuple[dict[str, object], list[str]]:
+    """Return ({field: value}, unknown_tokens) for a seed-style `--train_name`.
+
+    Tokens with digits (e.g. `lr4e-4`, `bs8388608`, `d16`) are treated as free-form labels.
+    """
+    parts = [p for p in name.lower().split("_") if p]
+    settings: dict[str, object] = {}
+    unknown: list[str] = []
+    i = 0
+    keys = sorted(TRAIN_NAME_TOKENS, key=len, reverse=True)
+    while i < len(parts):
+        for key in keys:
+            if tuple(parts[i:i + len(key)]) == key:
+                fld, value = TRAIN_NAME_TOKENS[key]
+                settings[fld] = value
+                i += len(key)
+                break
+        else:
+            tok = parts[i]
+            if tok not in TRAIN_NAME_NEUTRAL and not any(c.isdigit() for c in tok):
+                unknown.append(tok)
+            i += 1
+    return settings, unknown
+
+
+def apply_train_name(cfg: PretrainConfig, explicit: set[str]) -> tuple[dict[str, object], list[str]]:
+    """Set fields from `cfg.train_name` unless the user gave that flag explicitly. Returns (applied, unknown)."""
+    settings, unknown = parse_train_name(cfg.train_name)
+    applied = {}
+    for fld, value in settings.items():
+        if fld == "varlen":
+            raise UserError("--train_name contains 'varlen': variable-length training is not implemented yet "
+                            "(long-context work); remove the token")
+        if fld in explicit:
+            continue
+        setattr(cfg, fld, value)
+        applied[fld] = value
+    return applied, unknown
+
+
+def validate(cfg: PretrainConfig) -> None:
+    checks = [
+        (cfg.depth >= 1, f"--depth must be >= 1 (got {cfg.depth})"),
+        (cfg.ctx_len >= 1, f"--ctx_len must be >= 1 (got {cfg.ctx_len})"),
+        (cfg.micro_bsz >= 1, f"--micro_bsz must be >= 1 (got {cfg.micro_bsz})"),
+        (cfg.max_tokens is None or cfg.max_tokens > 0, f"--max_tokens must be positive (got {cfg.max_tokens})"),
+        (cfg.precision in ("fp32", "bf16-mixed"), f"--precision must be fp32 or bf16-mixed (got {cfg.precision!r})"),
+        (cfg.schedule in ("linear", "cosine", "wsd"), f"--schedule must be linear, cosine or wsd (got {cfg.schedule!r})"),
+        (cfg.strategy in ("auto", "single"),
+         f"--strategy {cfg.strategy!r} is not available yet; use auto or single (one process)"),
+        (cfg.parametrization == "sp",
+         f"--parametrization {cfg.parametrization!r} (from --train_name or the flag) is not implemented yet; "
+         "use sp (mu-P/mu-P++ arrive with the scaling-rules work)"),
+        (not cfg.fsdp_save_mem, "--fsdp_save_mem needs the distributed work (FSDP2); drop the flag for now"),
+        (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.save_interval >= 1,
+         "--eval_interval, --log_interval and --save_interval must be >= 1"),
+        (cfg.keep_last >= 0, "--keep_last must be >= 0"),
+        (0.0 <= cfg.label_smoothing < 1.0, "--label_smoothing must be in [0, 1)"),
+        (cfg.resume in ("auto", "none") or bool(cfg.resume), "--resume must be auto, none or a checkpoint path"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)

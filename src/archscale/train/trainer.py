@@ -1,0 +1,256 @@
+"""The single-process training loop (the distributed work wraps the same loop).
+
+plan -> model -> optimizer -> loader -> resume -> loop {accumulate, clip, step, log, eval, save} -> final save.
+Everything that changes between steps (model, optimizer, loader position, RNG, step/token counters) is in the
+checkpoint, so `--resume auto` continues with exactly the next batch and reproduces an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from archscale.config import ModelConfig
+from archscale.data.loader import PackedLoader, load_mixture, read_manifest, validation_batches
+from archscale.errors import UserError
+from archscale.models.model import GPT
+from archscale.scaling_rules import default_tokens, resolve_batch_and_lr
+from archscale.train import checkpoint as ckpt
+from archscale.train.config import PretrainConfig, apply_train_name, validate
+from archscale.train.metrics import MetricsCSV, Progress, peak_flops
+from archscale.train.optim import GroupRule, build_adamw, param_groups, set_lr
+from archscale.train.schedule import lr_at
+
+
+@dataclasses.dataclass
+class Plan:
+    """Resolved numbers of a run: what will happen, before it happens."""
+
+    run_name: str
+    out_dir: str
+    vocab_size: int
+    batch_tokens: int
+    grad_accum: int
+    lr: float
+    min_lr: float
+    total_tokens: int
+    max_steps: int
+    warmup_steps: int
+    non_embedding_params: int
+    flops_per_token: float
+    train_name_settings: dict
+    train_name_unknown: list
+
+
+def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
+              warn: Callable[[str], None] = print) -> tuple[Plan, ModelConfig]:
+    applied, unknown = apply_train_name(cfg, explicit)
+    if unknown:
+        warn(f"warning: --train_name {cfg.train_name!r}: unrecognised token(s) {unknown} carry no setting")
+    validate(cfg)
+    manifest = read_manifest(cfg.train_data_dir)
+    vocab = cfg.vocab_size or (manifest or {}).get("vocab_size")
+    if not vocab:
+        raise UserError(f"{cfg.train_data_dir} has no manifest.json to read the vocab size from; pass --vocab_size")
+    if manifest and manifest.get("vocab_size", 0) > vocab:
+        raise UserError(f"{cfg.train_data_dir}/manifest.json: data vocab {manifest['vocab_size']} > --vocab_size "
+                        f"{vocab}; the model cannot embed those token ids (drop --vocab_size or raise it)")
+    model_cfg = ModelConfig.from_arch(cfg.train_model, cfg.depth, vocab_size=int(vocab), block_size=cfg.ctx_len,
+                                      rope_base=cfg.rope_base, tie_embeddings=cfg.tie_embeddings)
+    hps = cfg.base_hps
+    batch, accum, lr = resolve_batch_and_lr(hps, cfg.micro_bsz, cfg.ctx_len, world_size)
+    total = int(cfg.max_tokens if cfg.max_tokens is not None else default_tokens(hps, cfg.train_model, cfg.depth))
+    max_steps = total // batch
+    if max_steps < 1:
+        raise UserError(f"--max_tokens {total} is less than one optimizer batch ({batch} tokens); raise it or "
+                        "lower --base_hps.b0")
+    warmup = math.ceil(hps.warmup_tokens0 / batch)
+    if warmup > max_steps // 2:
+        new = max(1, round(0.1 * max_steps))
+        warn(f"warning: --base_hps.warmup_tokens0={hps.warmup_tokens0:g} is over half the run ({total:g} tokens); "
+             f"warming up for {new} of {max_steps} steps (10%) instead. Set --base_hps.warmup_tokens0 to choose.")
+        warmup = new
+    run_name = f"{cfg.train_name}_{cfg.train_model}_d{cfg.depth}_ctx{cfg.ctx_len}"
+    with torch.device("meta"):
+        meta = GPT(model_cfg)
+    plan = Plan(run_name=run_name, out_dir=cfg.out_dir or str(Path("runs") / run_name), vocab_size=int(vocab),
+                batch_tokens=batch, grad_accum=accum, lr=lr, min_lr=hps.min_lr0, total_tokens=total,
+                max_steps=max_steps, warmup_steps=warmup, non_embedding_params=meta.num_params(),
+                flops_per_token=meta.flops_per_token(cfg.ctx_len), train_name_settings=applied,
+                train_name_unknown=unknown)
+    return plan, model_cfg
+
+
+def resolved_yaml(cfg: PretrainConfig, plan: Plan, model_cfg: ModelConfig) -> str:
+    return yaml.safe_dump({"pretrain": dataclasses.asdict(cfg), "plan": dataclasses.asdict(plan),
+                           "model": model_cfg.to_dict()}, sort_keys=False)
+
+
+def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device, autocast) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad(), autocast():
+        for batch in batches:
+            batch = batch.to(device)
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+            total += loss.item()
+            count += batch[:, 1:].numel()
+    model.train()
+    return total / max(1, count)
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM request a checkpoint and a clean exit at the end of the current step."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self._old = {}
+
+    def __enter__(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:  # second signal: give up immediately
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(), log: Callable[[str], None] = print) -> Path:
+    """Train according to `cfg`; returns the run directory. `explicit` names the flags the user set."""
+    plan, model_cfg = make_plan(cfg, set(explicit), warn=log)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out_dir = Path(plan.out_dir)
+    ckpt_root = out_dir / "checkpoints"
+    val_dir = cfg.val_data_dir or cfg.train_data_dir
+    block = cfg.ctx_len + 1
+
+    # ---- where to start
+    resume_from = None
+    if cfg.resume == "auto":
+        resume_from = ckpt.find_latest(ckpt_root, warn=log)
+    elif cfg.resume != "none":
+        resume_from = Path(cfg.resume)
+    elif ckpt.complete_checkpoints(ckpt_root):
+        raise UserError(f"--out_dir {out_dir} already holds checkpoints; use --resume auto to continue, or pick "
+                        "another --out_dir")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_yaml = resolved_yaml(cfg, plan, model_cfg)
+    (out_dir / "config.yaml").write_text(config_yaml)
+
+    # ---- model, optimizer, data
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_cfg).to(device)
+    hps = cfg.base_hps
+    rule = GroupRule(lr_mult=1.0, weight_decay=hps.weight_decay0)  # SP: one rule for both groups
+    optimizer = build_adamw(param_groups(model, rule, rule), plan.lr, (hps.beta1_0, hps.beta2_0), hps.eps0)
+    mixture = load_mixture(cfg.data_mixture, cfg.train_data_dir) if cfg.data_mixture else "train"
+    loader = PackedLoader(cfg.train_data_dir, mixture, block_size=block, micro_bsz=cfg.micro_bsz, seed=cfg.seed,
+                          num_workers=cfg.num_workers)
+    val_batches = []
+    if cfg.eval_iters > 0:
+        val_batches = list(validation_batches(val_dir, "validation", block_size=block,
+                                              micro_bsz=max(1, cfg.micro_bsz), max_batches=cfg.eval_iters))
+    bf16 = cfg.precision == "bf16-mixed"
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
+    fwd = torch.compile(model) if cfg.compile else model
+
+    step, tokens, val_loss = 0, 0, None
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(resume_from, model, optimizer)
+        loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+        step, tokens = state["step"], state["tokens"]
+        log(f"resumed from {resume_from} at step {step} ({tokens:,} tokens)")
+    metrics = MetricsCSV(out_dir / "metrics.csv", resume_step=step if resume_from is not None else None)
+
+    peak, peak_src = peak_flops(device, torch.bfloat16 if bf16 else torch.float32)
+    log(f"run {out_dir}: {model_cfg.name}, {plan.non_embedding_params / 1e6:.2f}M non-embedding params, "
+        f"{plan.max_steps} steps x {plan.batch_tokens:,} tokens (accum {plan.grad_accum}), lr {plan.lr:.3g}, "
+        f"warmup {plan.warmup_steps} steps, {cfg.precision} on {device.type}; peak {peak / 1e9:,.0f} GFLOP/s "
+        f"({peak_src})")
+
+    def save(tag_step: int) -> Path:
+        state = {"step": tag_step, "tokens": tokens, "loader": loader.state_dict(), "rng": ckpt.rng_state()}
+        return ckpt.save_checkpoint(ckpt_root, tag_step, model, optimizer, state, config_yaml, cfg.keep_last)
+
+    if resume_from is None and val_batches:  # sanity pass at start: the curve's first point is the init loss
+        val_loss = evaluate(fwd, val_batches, device, autocast)
+        metrics.write(step=0, tokens=0, val_loss=val_loss)
+        log(f"step 0: val_loss {val_loss:.4f}")
+    last_step = min(plan.max_steps, cfg.max_steps) if cfg.max_steps else plan.max_steps
+    progress = Progress(last_step, step, enabled=cfg.progress)
+    window_time, window_tokens = 0.0, 0
+    last_saved = step if resume_from is not None else -1
+    with _StopFlag() as stop:
+        while step < last_step:
+            t_start = time.perf_counter()
+            lr = lr_at(step, plan.lr, plan.min_lr, plan.warmup_steps, plan.max_steps, cfg.schedule)
+            set_lr(optimizer, lr)
+            loss_sum = 0.0
+            for _ in range(plan.grad_accum):
+                batch = next(loader)
+                if int(batch.max()) >= model_cfg.vocab_size:
+                    raise UserError(f"{cfg.train_data_dir}: token id {int(batch.max())} >= vocab size "
+                                    f"{model_cfg.vocab_size}; the shards were made with a larger tokenizer "
+                                    "(pass the right --vocab_size)")
+                batch = batch.to(device, non_blocking=True)
+                with autocast():
+                    logits = fwd(batch[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(),
+                                       label_smoothing=cfg.label_smoothing)
+                (loss / plan.grad_accum).backward()
+                loss_sum += loss.item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens += plan.batch_tokens
+            window_time += time.perf_counter() - t_start
+            window_tokens += plan.batch_tokens
+            train_loss = loss_sum / plan.grad_accum
+            if not math.isfinite(train_loss):
+                save(step)
+                raise RuntimeError(f"loss is {train_loss} at step {step}; checkpoint saved for inspection")
+
+            is_last = step == last_step
+            val_loss = None
+            if val_batches and (step % cfg.eval_interval == 0 or is_last):
+                val_loss = evaluate(fwd, val_batches, device, autocast)
+            if step % cfg.log_interval == 0 or is_last or val_loss is not None:
+                tok_s = window_tokens / max(window_time, 1e-9)
+                metrics.write(step=step, tokens=tokens, train_loss=train_loss, val_loss=val_loss, lr=lr,
+                              grad_norm=grad_norm, tokens_per_sec=tok_s,
+                              mfu=tok_s * plan.flops_per_token / peak)
+                progress.update(step, train_loss, tok_s, val_loss, force=True)
+                window_time, window_tokens = 0.0, 0
+            else:
+                progress.update(step, train_loss, window_tokens / max(window_time, 1e-9))
+            if step % cfg.save_interval == 0 or is_last or stop.signum is not None:
+                save(step)
+                last_saved = step
+            if stop.signum is not None:
+                name = signal.Signals(stop.signum).name
+                log(f"{name}: saved checkpoint at step {step}; resume with --resume auto")
+                sys.exit(128 + stop.signum)
+    if last_saved != step:
+        save(step)
+    log(f"done: step {step}, {tokens:,} tokens" + (f", val_loss {val_loss:.4f}" if val_loss is not None else "")
+        + f". Run dir: {out_dir}")
+    return out_dir
