@@ -110,6 +110,13 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.
     return total / max(1, count)
 
 
+def check_token_range(batch: torch.Tensor, vocab_size: int, data_dir: str) -> None:
+    top = int(batch.max())
+    if top >= vocab_size:
+        raise UserError(f"{data_dir}: token id {top} >= vocab size {vocab_size}; the shards were made with a "
+                        "larger tokenizer (pass the right --vocab_size)")
+
+
 class _StopFlag:
     """SIGINT/SIGTERM request a checkpoint and a clean exit at the end of the current step."""
 
@@ -167,6 +174,8 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(), log: Callabl
     if cfg.eval_iters > 0:
         val_batches = list(validation_batches(val_dir, "validation", block_size=block,
                                               micro_bsz=max(1, cfg.micro_bsz), max_batches=cfg.eval_iters))
+        for b in val_batches:
+            check_token_range(b, model_cfg.vocab_size, val_dir)
     bf16 = cfg.precision == "bf16-mixed"
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
     fwd = torch.compile(model) if cfg.compile else model
@@ -206,10 +215,7 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(), log: Callabl
             loss_sum = 0.0
             for _ in range(plan.grad_accum):
                 batch = next(loader)
-                if int(batch.max()) >= model_cfg.vocab_size:
-                    raise UserError(f"{cfg.train_data_dir}: token id {int(batch.max())} >= vocab size "
-                                    f"{model_cfg.vocab_size}; the shards were made with a larger tokenizer "
-                                    "(pass the right --vocab_size)")
+                check_token_range(batch, model_cfg.vocab_size, cfg.train_data_dir)
                 batch = batch.to(device, non_blocking=True)
                 with autocast():
                     logits = fwd(batch[:, :-1])
