@@ -126,7 +126,7 @@ def test_killed_process_resumes_exactly(dataset, tmp_path, how):
     (["--vocab_size", "100"], "data vocab 256 > --vocab_size 100"),
     (["--ctx_len", "9000", "--base_hps.b0", "18000", "--max_tokens", "40000"], "use a smaller --ctx_len"),
     (["--precision", "fp16"], "--precision must be fp32 or bf16-mixed"),
-    (["--train_name", "scaling_mup"], "--parametrization 'mup++'"),
+    (["--parametrization", "mupp"], "--parametrization 'mupp' is unknown"),
     (["--resume", "/nonexistent/ckpt"], "not a usable checkpoint"),
 ])
 def test_bad_input_is_one_line_exit_2(dataset, tmp_path, capsys, extra, expect):

@@ -51,6 +51,10 @@ def parse_pretrain(argv: list[str]):
 
     # The deepspeed/torchrun launchers may pass --local_rank; it is read from the environment instead.
     argv = [a for a in argv if not a.startswith("--local_rank")]
+    # A boolean flag given bare (`--dry_run`, `--compile`) means true.
+    bools = {f"--{f.name}" for f in dataclasses.fields(PretrainConfig) if f.type in (bool, "bool")}
+    argv = [f"{a}=true" if a in bools and (i + 1 == len(argv) or argv[i + 1].startswith("--")) else a
+            for i, a in enumerate(argv)]
     ns = pretrain_parser().parse_args(argv)
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(PretrainConfig)}
     hps = values["base_hps"]

@@ -58,6 +58,7 @@ class ModelConfig:
     init_std: float = 0.02
     embed_init_std: float = 1e-4
     init_scheme: str = "sp"  # "sp" | "mup" (kaiming-uniform linears, zero lm_head); set by the scaling rules
+    w_init_mult: float = 1.0  # mup scheme: Linear weights are PyTorch's default init times this (w_init0)
 
     def __post_init__(self) -> None:
         if self.padded_vocab_size <= 0:
@@ -76,6 +77,8 @@ class ModelConfig:
             problems.append(f"head_size={self.head_size} must be even for RoPE")
         if self.padded_vocab_size < self.vocab_size:
             problems.append("padded_vocab_size must be >= vocab_size")
+        if self.init_scheme not in ("sp", "mup"):
+            problems.append(f"init_scheme must be 'sp' or 'mup' (got {self.init_scheme!r})")
         if self.arch not in ARCHITECTURES:
             problems.append(f"unknown architecture {self.arch!r}; choose one of {sorted(ARCHITECTURES)}")
         if problems:
@@ -90,15 +93,24 @@ class ModelConfig:
         return cls.from_arch(m["arch"], int(m["depth"]), **overrides)
 
     @classmethod
-    def from_arch(cls, arch: str, depth: int, **overrides: Any) -> "ModelConfig":
+    def from_arch(cls, arch: str, depth: int, ar: int | None = None, **overrides: Any) -> "ModelConfig":
+        """Sizes from depth (spec §3). `ar` overrides the architecture's aspect ratio: width = ar * depth with
+        n_head = depth heads, so head_size = ar (128 at the registry's ar for the Transformer)."""
         if arch not in ARCHITECTURES:
             raise UserError(f"unknown --train_model {arch!r}; choose one of: {', '.join(sorted(ARCHITECTURES))}")
         if depth < 1:
             raise UserError(f"--depth must be >= 1 (got {depth})")
         spec = ARCHITECTURES[arch]
+        head_size = 128
+        if ar is None:
+            ar = spec.ar
+        else:
+            if ar < 2 or ar % 2:
+                raise UserError(f"--ar must be an even number >= 2 (got {ar}): head_size = ar must be even for RoPE")
+            head_size = ar
         base = dict(
-            name=f"{arch}_d{depth}", arch=arch, n_layer=depth, n_embd=spec.ar * depth, n_head=depth,
-            n_query_groups=max(1, depth // 4), head_size=128, intermediate_size=4 * spec.ar * depth,
+            name=f"{arch}_d{depth}", arch=arch, n_layer=depth, n_embd=ar * depth, n_head=depth,
+            n_query_groups=max(1, depth // 4), head_size=head_size, intermediate_size=4 * ar * depth,
         )
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
@@ -113,6 +125,26 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def init_stds(self) -> dict[str, float]:
+        """Standard deviation each weight role starts with under `init_scheme` (closed form; what
+        `GPT.reset_parameters` draws). Norm weights start at 1 and are not listed.
+
+        mup linears are U(+-w/sqrt(fan_in)) (PyTorch's kaiming-uniform, a=sqrt(5)), so std = w/sqrt(3 fan_in).
+        """
+        d, hd, L = self.n_embd, self.head_size, self.n_layer
+        if self.init_scheme == "mup":
+            def lin(fan_in: int) -> float:
+                return self.w_init_mult / math.sqrt(3 * fan_in)
+            out = {"attn.qkv": lin(d), "attn.proj": lin(self.n_head * hd), "mlp.w1": lin(d),
+                   "mlp.w3": lin(self.intermediate_size)}
+            head = 0.0
+        else:
+            gpt2 = self.init_std / math.sqrt(2 * L)
+            out = {"attn.qkv": self.init_std, "attn.proj": gpt2, "mlp.w1": self.init_std, "mlp.w3": gpt2}
+            head = self.init_std
+        wte = self.init_std if self.tie_embeddings else self.embed_init_std
+        return {"wte": wte, "lm_head": wte if self.tie_embeddings else head, **out}
 
     def non_embedding_params(self) -> int:
         """Closed-form count (norms included, token embedding and lm_head excluded)."""

@@ -61,7 +61,8 @@ class GPT(nn.Module):
 
         sp  (seed default): linears N(0, init_std); output projections (attn.proj, mlp.w3) further divided by
             sqrt(2L) (GPT-2); embedding N(0, embed_init_std), or N(0, init_std) when tied.
-        mup: linears keep PyTorch's default kaiming-uniform init; untied lm_head is zero; embedding as above.
+        mup: linears keep PyTorch's default kaiming-uniform init (U(+-1/sqrt(fan_in))) times `w_init_mult`;
+            untied lm_head is zero; embedding as above. `config.init_stds()` lists the resulting stds.
         """
         cfg = self.config
         std_out = cfg.init_std / math.sqrt(2 * cfg.n_layer)
@@ -69,6 +70,8 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear):
                 if cfg.init_scheme == "mup":
                     module.reset_parameters()
+                    if cfg.w_init_mult != 1.0:
+                        module.weight.mul_(cfg.w_init_mult)
                     if module.bias is not None:
                         nn.init.zeros_(module.bias)
                 else:

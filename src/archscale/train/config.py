@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from archscale.errors import UserError
-from archscale.scaling_rules import BaseHyperparameters
+from archscale.scaling_rules import PARAMETRIZATIONS, BaseHyperparameters
 
 
 @dataclass
@@ -28,7 +28,8 @@ class PretrainConfig:
     vocab_size: Optional[int] = None  # default: the dataset manifest's vocab size
     micro_bsz: int = 2
     out_dir: Optional[str] = None  # default runs/<train_name>_<model>_d<depth>_ctx<ctx_len>
-    parametrization: str = "sp"  # sp (mu-P++ comes with the scaling-rules work)
+    parametrization: str = "sp"  # sp | mup (original mu-P, `_ori_mup`) | mup++ (`mup`); see scaling_rules
+    ar: Optional[int] = None  # aspect ratio override: width = ar * depth, heads = depth, so head_size = ar
     tie_embeddings: bool = False
     rope_base: float = 10000.0
     schedule: str = "linear"  # linear | cosine | wsd
@@ -46,6 +47,7 @@ class PretrainConfig:
     fsdp_save_mem: bool = False  # accepted for seed compatibility; needs the scale-out work
     max_steps: Optional[int] = None  # stop after this many optimizer steps (debugging); the schedule is unchanged
     progress: bool = True  # console progress bar
+    dry_run: bool = False  # print the fully resolved plan as JSON and exit (no data needed with --vocab_size)
 
 
 # token -> (field, value). The name is split on "_"; multi-token keys are matched first.
@@ -113,9 +115,10 @@ def validate(cfg: PretrainConfig) -> None:
         (cfg.schedule in ("linear", "cosine", "wsd"), f"--schedule must be linear, cosine or wsd (got {cfg.schedule!r})"),
         (cfg.strategy in ("auto", "single"),
          f"--strategy {cfg.strategy!r} is not available yet; use auto or single (one process)"),
-        (cfg.parametrization == "sp",
-         f"--parametrization {cfg.parametrization!r} (from --train_name or the flag) is not implemented yet; "
-         "use sp (mu-P/mu-P++ arrive with the scaling-rules work)"),
+        (cfg.parametrization in PARAMETRIZATIONS,
+         f"--parametrization {cfg.parametrization!r} is unknown; choose sp, mup (original mu-P) or mup++"),
+        (cfg.ar is None or (cfg.ar >= 2 and cfg.ar % 2 == 0),
+         f"--ar must be an even number >= 2 (got {cfg.ar}): head_size = ar must be even for RoPE"),
         (not cfg.fsdp_save_mem, "--fsdp_save_mem needs the distributed work (FSDP2); drop the flag for now"),
         (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.save_interval >= 1,
          "--eval_interval, --log_interval and --save_interval must be >= 1"),

@@ -8,6 +8,7 @@ checkpoint, so `--resume auto` continues with exactly the next batch and reprodu
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import signal
 import sys
@@ -24,7 +25,7 @@ from archscale.config import ModelConfig
 from archscale.data.loader import PackedLoader, load_mixture, read_manifest, validation_batches
 from archscale.errors import UserError
 from archscale.models.model import GPT
-from archscale.scaling_rules import default_tokens, resolve_batch_and_lr
+from archscale.scaling_rules import default_tokens, resolve_batch_and_lr, resolve_parametrization
 from archscale.train import checkpoint as ckpt
 from archscale.train.config import PretrainConfig, apply_train_name, validate
 from archscale.train.metrics import MetricsCSV, Progress, peak_flops
@@ -41,7 +42,7 @@ class Plan:
     vocab_size: int
     batch_tokens: int
     grad_accum: int
-    lr: float
+    lr: float  # global peak LR: eta0 * sqrt(b / b0) * the parametrization's factor; each group scales it
     min_lr: float
     total_tokens: int
     max_steps: int
@@ -50,26 +51,42 @@ class Plan:
     flops_per_token: float
     train_name_settings: dict
     train_name_unknown: list
+    parametrization: str = "sp"
+    lr_mult_matrix: float = 1.0  # group LR = lr * lr_mult (matrix-like / vector-like roles)
+    lr_mult_vector: float = 1.0
+    wd_matrix: float = 0.1
+    wd_vector: float = 0.1
+
+    def group_rules(self) -> tuple[GroupRule, GroupRule]:
+        """(matrix, vector) optimizer rules."""
+        return (GroupRule(self.lr_mult_matrix, self.wd_matrix), GroupRule(self.lr_mult_vector, self.wd_vector))
 
 
 def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
-              warn: Callable[[str], None] = print) -> tuple[Plan, ModelConfig]:
+              warn: Callable[[str], None] = print, default_vocab: Optional[int] = None) -> tuple[Plan, ModelConfig]:
+    """Resolve sizes, batch, LRs, token budget and the parametrization. `default_vocab` is used when there is
+    neither --vocab_size nor a manifest (the dry run passes 32000)."""
     applied, unknown = apply_train_name(cfg, explicit)
     if unknown:
         warn(f"warning: --train_name {cfg.train_name!r}: unrecognised token(s) {unknown} carry no setting")
     validate(cfg)
     manifest = read_manifest(cfg.train_data_dir)
-    vocab = cfg.vocab_size or (manifest or {}).get("vocab_size")
+    vocab = cfg.vocab_size or (manifest or {}).get("vocab_size") or default_vocab
     if not vocab:
         raise UserError(f"{cfg.train_data_dir} has no manifest.json to read the vocab size from; pass --vocab_size")
     if manifest and manifest.get("vocab_size", 0) > vocab:
         raise UserError(f"{cfg.train_data_dir}/manifest.json: data vocab {manifest['vocab_size']} > --vocab_size "
                         f"{vocab}; the model cannot embed those token ids (drop --vocab_size or raise it)")
-    model_cfg = ModelConfig.from_arch(cfg.train_model, cfg.depth, vocab_size=int(vocab), block_size=cfg.ctx_len,
-                                      rope_base=cfg.rope_base, tie_embeddings=cfg.tie_embeddings)
     hps = cfg.base_hps
+    sizes = ModelConfig.from_arch(cfg.train_model, cfg.depth, ar=cfg.ar, vocab_size=int(vocab),
+                                  block_size=cfg.ctx_len, rope_base=cfg.rope_base, tie_embeddings=cfg.tie_embeddings)
+    rules = resolve_parametrization(cfg.parametrization, hps, cfg.depth, sizes.n_layer, sizes.head_size,
+                                    tie=cfg.tie_embeddings)
+    model_cfg = sizes.replace(**rules.model_overrides())
     batch, accum, lr = resolve_batch_and_lr(hps, cfg.micro_bsz, cfg.ctx_len, world_size)
-    total = int(cfg.max_tokens if cfg.max_tokens is not None else default_tokens(hps, cfg.train_model, cfg.depth))
+    lr = lr * rules.global_lr_mult
+    total = int(cfg.max_tokens if cfg.max_tokens is not None
+                else default_tokens(hps, cfg.train_model, cfg.depth, ar=cfg.ar))
     max_steps = total // batch
     if max_steps < 1:
         raise UserError(f"--max_tokens {total} is less than one optimizer batch ({batch} tokens); raise it or "
@@ -87,8 +104,45 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
                 batch_tokens=batch, grad_accum=accum, lr=lr, min_lr=hps.min_lr0, total_tokens=total,
                 max_steps=max_steps, warmup_steps=warmup, non_embedding_params=meta.num_params(),
                 flops_per_token=meta.flops_per_token(cfg.ctx_len), train_name_settings=applied,
-                train_name_unknown=unknown)
+                train_name_unknown=unknown, parametrization=rules.parametrization,
+                lr_mult_matrix=rules.matrix.lr_mult, lr_mult_vector=rules.vector.lr_mult,
+                wd_matrix=rules.matrix.weight_decay, wd_vector=rules.vector.weight_decay)
     return plan, model_cfg
+
+
+DRY_RUN_DEFAULT_VOCAB = 32000
+
+
+def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world_size: int = 1,
+                    warn: Callable[[str], None] = print) -> dict:
+    """The fully resolved plan as a JSON-able dict, without data (vocab 32000 unless --vocab_size or a manifest
+    says otherwise) and without touching out_dir."""
+    plan, m = make_plan(cfg, set(explicit), world_size=world_size, warn=warn, default_vocab=DRY_RUN_DEFAULT_VOCAB)
+    with torch.device("meta"):
+        meta = GPT(m)
+    return {
+        "run_name": plan.run_name, "out_dir": plan.out_dir, "model": m.name, "parametrization": plan.parametrization,
+        "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head, "n_kv_head": m.n_query_groups,
+        "head_size": m.head_size, "intermediate_size": m.intermediate_size, "vocab_size": m.vocab_size,
+        "padded_vocab_size": m.padded_vocab_size, "tie_embeddings": m.tie_embeddings,
+        "n_params": meta.num_params(non_embedding=False), "n_params_non_embedding": plan.non_embedding_params,
+        "ctx_len": cfg.ctx_len, "micro_bsz": cfg.micro_bsz, "world_size": world_size,
+        "batch_tokens": plan.batch_tokens, "grad_accum": plan.grad_accum, "max_tokens": plan.total_tokens,
+        "optimizer_steps": plan.max_steps, "warmup_steps": plan.warmup_steps,
+        "warmup_tokens": plan.warmup_steps * plan.batch_tokens, "schedule": cfg.schedule,
+        "lr": plan.lr, "min_lr": plan.min_lr, "lr_matrix": plan.lr * plan.lr_mult_matrix,
+        "lr_vector": plan.lr * plan.lr_mult_vector, "wd_matrix": plan.wd_matrix, "wd_vector": plan.wd_vector,
+        "residual_scale": m.residual_scale, "logit_scale": m.logit_scale, "attn_scale_mult": m.attn_scale_mult,
+        "attn_scale": m.attn_scale_mult / math.sqrt(m.head_size), "init_scheme": m.init_scheme,
+        "init_std": m.init_stds(), "flops_per_token": plan.flops_per_token,
+        "train_name_settings": plan.train_name_settings,
+    }
+
+
+def print_dry_run(cfg: PretrainConfig, explicit: set[str] = frozenset()) -> None:
+    """`--dry_run`: the JSON plan on stdout (warnings go to stderr so stdout stays parseable)."""
+    summary = dry_run_summary(cfg, explicit, warn=lambda msg: print(msg, file=sys.stderr))
+    print(json.dumps(summary, indent=2))
 
 
 def resolved_yaml(cfg: PretrainConfig, plan: Plan, model_cfg: ModelConfig) -> str:
@@ -139,8 +193,13 @@ class _StopFlag:
             signal.signal(s, h)
 
 
-def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(), log: Callable[[str], None] = print) -> Path:
-    """Train according to `cfg`; returns the run directory. `explicit` names the flags the user set."""
+def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(),
+             log: Callable[[str], None] = print) -> Optional[Path]:
+    """Train according to `cfg`; returns the run directory (None after `--dry_run`, which trains nothing and
+    prints the plan). `explicit` names the flags the user set."""
+    if cfg.dry_run:
+        print_dry_run(cfg, explicit)
+        return None
     plan, model_cfg = make_plan(cfg, set(explicit), warn=log)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out_dir = Path(plan.out_dir)
@@ -165,8 +224,9 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(), log: Callabl
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg).to(device)
     hps = cfg.base_hps
-    rule = GroupRule(lr_mult=1.0, weight_decay=hps.weight_decay0)  # SP: one rule for both groups
-    optimizer = build_adamw(param_groups(model, rule, rule), plan.lr, (hps.beta1_0, hps.beta2_0), hps.eps0)
+    matrix_rule, vector_rule = plan.group_rules()  # SP: the same rule for both groups
+    optimizer = build_adamw(param_groups(model, matrix_rule, vector_rule), plan.lr, (hps.beta1_0, hps.beta2_0),
+                            hps.eps0)
     mixture = load_mixture(cfg.data_mixture, cfg.train_data_dir) if cfg.data_mixture else "train"
     loader = PackedLoader(cfg.train_data_dir, mixture, block_size=block, micro_bsz=cfg.micro_bsz, seed=cfg.seed,
                           num_workers=cfg.num_workers)
@@ -191,7 +251,8 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(), log: Callabl
 
     peak, peak_src = peak_flops(device, torch.bfloat16 if bf16 else torch.float32)
     log(f"run {out_dir}: {model_cfg.name}, {plan.non_embedding_params / 1e6:.2f}M non-embedding params, "
-        f"{plan.max_steps} steps x {plan.batch_tokens:,} tokens (accum {plan.grad_accum}), lr {plan.lr:.3g}, "
+        f"{plan.max_steps} steps x {plan.batch_tokens:,} tokens (accum {plan.grad_accum}), {plan.parametrization}, "
+        f"lr {plan.lr * plan.lr_mult_matrix:.3g} matrix / {plan.lr * plan.lr_mult_vector:.3g} vector, "
         f"warmup {plan.warmup_steps} steps, {cfg.precision} on {device.type}; peak {peak / 1e9:,.0f} GFLOP/s "
         f"({peak_src})")
 
