@@ -13,7 +13,11 @@ def rope_cache(seq_len: int, head_size: int, base: float, device=None) -> tuple[
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, H, T, hd); cos/sin: (T, hd/2). Rotates pairs (i, i + hd/2) in fp32, returns x's dtype."""
+    """Rotates pairs (i, i + hd/2) of x's last dim in fp32 and returns x's dtype.
+
+    x: (..., hd) with cos/sin (T, hd/2) broadcastable to x[..., :hd/2]: e.g. x (B, H, T, hd) with cos (T, hd/2),
+    or x (B, T, H, hd) with cos.unsqueeze(1) (T, 1, hd/2).
+    """
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
