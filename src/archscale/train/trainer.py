@@ -273,7 +273,7 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(),
             t_start = time.perf_counter()
             lr = lr_at(step, plan.lr, plan.min_lr, plan.warmup_steps, plan.max_steps, cfg.schedule)
             set_lr(optimizer, lr)
-            loss_sum = 0.0
+            loss_sum = torch.zeros((), device=device)
             for _ in range(plan.grad_accum):
                 batch = next(loader)
                 check_token_range(batch, model_cfg.vocab_size, cfg.train_data_dir)
@@ -283,7 +283,7 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(),
                 loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(),
                                        label_smoothing=cfg.label_smoothing)
                 (loss / plan.grad_accum).backward()
-                loss_sum += loss.item()
+                loss_sum += loss.detach()  # no .item() here: it would sync the GPU every micro-batch
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -291,7 +291,7 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(),
             tokens += plan.batch_tokens
             window_time += time.perf_counter() - t_start
             window_tokens += plan.batch_tokens
-            train_loss = loss_sum / plan.grad_accum
+            train_loss = loss_sum.item() / plan.grad_accum
             if not math.isfinite(train_loss):
                 save(step)
                 raise RuntimeError(f"loss is {train_loss} at step {step}; checkpoint saved for inspection")
