@@ -145,7 +145,7 @@ def run_demo(work_dir: str, minutes: float = 3.0, cache_dir: str | None = None) 
     # Sized for ~3 minutes of training on 2 cores with bf16: d2 (width 256), 256-token context, 2K-token batches
     # (small batches and a high LR learn fastest in so few tokens; measured on the demo corpus).
     scale = max(0.1, minutes / 3.0)
-    max_tokens = int(2_600_000 * scale * (1.0 if precision == "bf16-mixed" else 0.55))
+    max_tokens = int(2_200_000 * scale * (1.0 if precision == "bf16-mixed" else 0.55))
     cfg = PretrainConfig(
         train_data_dir=str(data), train_model="transformer", depth=2, ctx_len=256, micro_bsz=8,
         max_tokens=max_tokens, train_name="demo", resume="none", out_dir=str(run), precision=precision,
