@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -91,30 +90,43 @@ def test_bf16_mixed_trains(dataset, tmp_path):
     assert vals[-1] < vals[0] - 1.0
 
 
+# The child delivers a real signal to itself after an exact step, so the test cannot race the run (a fast
+# machine used to finish all 100 steps before an external SIGTERM arrived, and the test failed on CI).
+_SIGNAL_CHILD = """
+import os, signal, sys
+from archscale.cli import parse_pretrain
+from archscale.train.trainer import pretrain
+sig, at = signal.Signals[sys.argv[1]], int(sys.argv[2])
+cfg, explicit = parse_pretrain(sys.argv[3:])
+pretrain(cfg, explicit, on_step=lambda step: step == at and os.kill(os.getpid(), sig))
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["sigterm", "kill9"])
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_killed_process_resumes_exactly(dataset, tmp_path, how):
     full, part = tmp_path / "full", tmp_path / "part"
     common = args(dataset, full, "--resume", "none")
     common[common.index("6400")] = "25600"  # 100 steps
     assert main(common) == 0
-    cmd = [sys.executable, "-m", "archscale.pretrain", *common[1:]]
-    cmd[cmd.index(str(full))] = str(part)
-    cmd += ["--save_interval", "10"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while not list((part / "checkpoints").glob("step-*")) and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(0.5)
-    if how == "kill9":
-        proc.kill()
-        proc.wait()
+    run_args = common[1:]
+    run_args[run_args.index(str(full))] = str(part)
+    run_args += ["--save_interval", "10"]
+    # signalled after step 37: SIGKILL leaves the step-30 checkpoint; SIGTERM saves step 37 and exits 143
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_CHILD, how, "37", *run_args],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    out = proc.stdout.decode()
+    latest = (part / "checkpoints" / "latest").read_text().strip()
+    if how == "SIGKILL":
+        assert proc.returncode == -signal.SIGKILL, out
+        assert latest == "step-00000030"
     else:
-        proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=60)[0].decode()
         assert proc.returncode == 128 + signal.SIGTERM, out
-        assert "SIGTERM: saved checkpoint" in out
-    resume = [c if c != "none" else "auto" for c in cmd]
+        assert "SIGTERM: saved checkpoint at step 37" in out
+        assert latest == "step-00000037"
+    assert "done:" not in out
+    assert max(int(r["step"]) for r in rows(part)) == 37  # the run was really cut short
+    resume = [sys.executable, "-m", "archscale.pretrain", *[a if a != "none" else "auto" for a in run_args]]
     assert subprocess.run(resume, capture_output=True).returncode == 0
     assert det(part) == det(full)
 

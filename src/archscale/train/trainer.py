@@ -194,9 +194,11 @@ class _StopFlag:
 
 
 def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(),
-             log: Callable[[str], None] = print) -> Optional[Path]:
+             log: Callable[[str], None] = print,
+             on_step: Optional[Callable[[int], None]] = None) -> Optional[Path]:
     """Train according to `cfg`; returns the run directory (None after `--dry_run`, which trains nothing and
-    prints the plan). `explicit` names the flags the user set."""
+    prints the plan). `explicit` names the flags the user set. `on_step(step)` runs after each optimizer step,
+    before that step's checkpoint decision (tests use it to deliver signals at an exact step)."""
     if cfg.dry_run:
         print_dry_run(cfg, explicit)
         return None
@@ -309,6 +311,8 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(),
                 window_time, window_tokens = 0.0, 0
             else:
                 progress.update(step, train_loss, window_tokens / max(window_time, 1e-9))
+            if on_step is not None:
+                on_step(step)
             if step % cfg.save_interval == 0 or is_last or stop.signum is not None:
                 save(step)
                 last_saved = step
