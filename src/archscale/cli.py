@@ -126,13 +126,15 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--prompt", default="")
     p.add_argument("--max_new_tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top_k", type=int, default=50)
+    p.add_argument("--top_k", type=int, default=50, help="0: no top-k filter")
+    p.add_argument("--top_p", type=float, default=None, help="nucleus sampling mass (e.g. 0.95)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     from archscale.data.tokenizer import Tokenizer
 
     model, _ = load_model(a.checkpoint)
-    print(generate_text(model, Tokenizer(a.tokenizer), a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed))
+    print(generate_text(model, Tokenizer(a.tokenizer), a.prompt, a.max_new_tokens, a.temperature, a.top_k or None,
+                        a.seed, top_p=a.top_p))
     return 0
 
 

@@ -17,15 +17,64 @@ from archscale.errors import UserError
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """What differs between architectures at the same depth."""
+    """What differs between architectures at the same depth (spec §2.2)."""
 
     ar: int  # aspect ratio: n_embd = ar * depth
     description: str
+    layout: str = "transformer"  # which `layer_kinds` rule builds the layer stack
+    sliding_window: int = 0  # SWA window W (each query sees itself and W-1 earlier tokens); 0: no SWA layers
+    nope: bool = False  # no positional encoding anywhere (SambaY family)
+    use_da: bool = False  # differential attention in every attention layer
+    yoco: bool = False  # needs depth % 4 == 0 (self-decoder / cross-decoder split)
+    preset: tuple = ()  # fixed ModelConfig overrides ((field, value), ...), e.g. Phi4-mini-Flash's sizes
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "transformer": ArchSpec(ar=128, description="Transformer++: pre-norm RMSNorm, RoPE, GQA, SwiGLU, no biases"),
+    "transformer": ArchSpec(128, "Transformer++: pre-norm RMSNorm, RoPE, GQA, SwiGLU, no biases"),
+    "transformerls": ArchSpec(128, "Transformer++ with SWA-128 in 3 of 4 layers (idx % 4 == 3 full attention)",
+                              layout="transformerls", sliding_window=128),
+    "mamba": ArchSpec(114, "every layer Mamba-1 + SwiGLU (ar 114: parameters within 3% of transformer)",
+                      layout="mamba"),
+    "samba": ArchSpec(122, "Samba: Mamba on even layers, SWA-2048 (RoPE) on odd layers, SwiGLU everywhere",
+                      layout="samba", sliding_window=2048),
+    "sambay": ArchSpec(124, "SambaY: Samba self-decoder, then one full-attention KV layer and a cross-decoder "
+                            "alternating GMU and cross-attention; NoPE", layout="sambay", sliding_window=128,
+                       nope=True, yoco=True),
+    "sambayda": ArchSpec(124, "SambaY with differential attention in every attention layer", layout="sambay",
+                         sliding_window=128, nope=True, use_da=True, yoco=True),
+    "sambayoco": ArchSpec(126, "Samba+YOCO: SambaY with cross-attention in every cross-decoder layer (no GMU)",
+                          layout="sambayoco", sliding_window=128, nope=True, yoco=True),
+    "phi4miniflash": ArchSpec(80, "Phi4-mini-Flash: SambaY + DA, LayerNorm, q/v/o biases, tied embeddings",
+                              layout="sambay", sliding_window=512, nope=True, use_da=True, yoco=True,
+                              preset=(("n_head", 40), ("n_query_groups", 20), ("head_size", 64),
+                                      ("vocab_size", 200064), ("norm_class", "layernorm"), ("attn_bias", True),
+                                      ("tie_embeddings", True), ("block_size", 8192))),
 }
+
+LAYER_KINDS = ("attn", "swa", "mamba", "mamba_mem", "kv", "cross", "gmu")
+
+
+def layer_kinds(layout: str, n_layer: int) -> list[str]:
+    """The mixer of every layer (spec §2.2). attn: full attention; swa: sliding-window attention; mamba_mem: a
+    Mamba layer that also exports its pre-gate SSM output as GMU memory; kv: the full-attention layer whose K/V
+    every cross layer reuses (YOCO); cross: cross-attention (own queries only) to that K/V; gmu: gated memory."""
+    L = n_layer
+    if layout == "transformer":
+        return ["attn"] * L
+    if layout == "transformerls":
+        return ["attn" if i % 4 == 3 else "swa" for i in range(L)]
+    if layout == "mamba":
+        return ["mamba"] * L
+    if layout == "samba":
+        return ["mamba" if i % 2 == 0 else "swa" for i in range(L)]
+    if layout in ("sambay", "sambayoco"):
+        half = L // 2
+        kinds = ["mamba" if i % 2 == 0 else "swa" for i in range(half)]
+        kinds += ["mamba_mem" if layout == "sambay" else "mamba", "kv"]
+        for i in range(half + 2, L):
+            kinds.append("gmu" if layout == "sambay" and i % 2 == 0 else "cross")
+        return kinds
+    raise UserError(f"unknown layout {layout!r}")
 
 
 def find_multiple(n: int, k: int) -> int:
@@ -49,7 +98,16 @@ class ModelConfig:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    bias: bool = False
+    bias: bool = False  # biases in every Linear of attention and MLP (seed's `_bias`)
+    attn_bias: bool = False  # q, v and output-projection biases only (Phi4-mini-Flash)
+    norm_class: str = "rmsnorm"  # "rmsnorm" | "layernorm"
+    # Mixer options (defaults filled from the architecture's ArchSpec; see `layer_kinds`).
+    sliding_window: int = 0
+    nope: bool = False
+    use_da: bool = False
+    d_state: int = 16  # Mamba-1
+    d_conv: int = 4
+    mamba_expand: int = 2
     # Parametrization multipliers (1.0 under SP; the mu-P++ rules set them).
     residual_scale: float = 1.0  # each block's branch output is multiplied by this (mu-P++: 1/sqrt(2L))
     logit_scale: float = 1.0  # final hidden state is multiplied by this before lm_head (mu-P: d0/L)
@@ -81,6 +139,17 @@ class ModelConfig:
             problems.append(f"init_scheme must be 'sp' or 'mup' (got {self.init_scheme!r})")
         if self.arch not in ARCHITECTURES:
             problems.append(f"unknown architecture {self.arch!r}; choose one of {sorted(ARCHITECTURES)}")
+        else:
+            spec = ARCHITECTURES[self.arch]
+            if spec.yoco and self.n_layer % 4:
+                problems.append(f"{self.arch} needs a depth divisible by 4 (got {self.n_layer})")
+            if spec.sliding_window and self.sliding_window < 1:
+                problems.append(f"sliding_window must be >= 1 for {self.arch} (got {self.sliding_window})")
+        if self.use_da and (self.n_head % 2 or self.n_query_groups % 2):
+            problems.append(f"differential attention pairs heads: n_head={self.n_head} and "
+                            f"n_query_groups={self.n_query_groups} must both be even (a depth that is a multiple of 8)")
+        if self.norm_class not in ("rmsnorm", "layernorm"):
+            problems.append(f"norm_class must be 'rmsnorm' or 'layernorm' (got {self.norm_class!r})")
         if problems:
             raise UserError(f"model config {self.name}: " + "; ".join(problems))
 
@@ -111,7 +180,9 @@ class ModelConfig:
         base = dict(
             name=f"{arch}_d{depth}", arch=arch, n_layer=depth, n_embd=ar * depth, n_head=depth,
             n_query_groups=max(1, depth // 4), head_size=head_size, intermediate_size=4 * ar * depth,
+            sliding_window=spec.sliding_window, nope=spec.nope, use_da=spec.use_da,
         )
+        base.update(dict(spec.preset))
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise UserError(f"unknown ModelConfig field(s): {', '.join(sorted(unknown))}")
@@ -119,6 +190,10 @@ class ModelConfig:
         if "intermediate_size" not in overrides and "n_embd" in overrides:
             base["intermediate_size"] = 4 * base["n_embd"]
         return cls(**base)
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        return layer_kinds(ARCHITECTURES[self.arch].layout, self.n_layer)
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return replace(self, **changes)
@@ -147,7 +222,15 @@ class ModelConfig:
         return {"wte": wte, "lm_head": wte if self.tie_embeddings else head, **out}
 
     def non_embedding_params(self) -> int:
-        """Closed-form count (norms included, token embedding and lm_head excluded)."""
+        """Norms included, token embedding and lm_head excluded. Closed form for the Transformer++ (checked
+        against the module in tests); other architectures are counted on a meta-device model (no memory)."""
+        if self.layer_kinds != ["attn"] * self.n_layer or self.attn_bias or self.norm_class != "rmsnorm":
+            import torch
+
+            from archscale.models.model import GPT
+
+            with torch.device("meta"):
+                return GPT(self).num_params(non_embedding=True)
         d, hd = self.n_embd, self.head_size
         qkv = d * (self.n_head + 2 * self.n_query_groups) * hd
         proj = self.n_head * hd * d

@@ -34,10 +34,25 @@ class BaseHyperparameters:
     beta2_0: float = 0.95
 
 
+# Non-embedding parameters per depth^3 as a function of the aspect ratio (spec §3; the seed's laws). The ar
+# terms come from attention with a fixed head_size of 128; `mamba` is ours (Mamba-1 6.25 ar^2 + SwiGLU 12 ar^2).
+N_MULT = {
+    "transformer": lambda ar: 14.5 * ar**2,
+    "transformerls": lambda ar: 14.5 * ar**2,
+    "mamba": lambda ar: 18.25 * ar**2,
+    "samba": lambda ar: 15 * ar**2 + 160 * ar,
+    "sambay": lambda ar: 14.5 * ar**2 + 144 * ar,
+    "sambayda": lambda ar: 14.5 * ar**2 + 144 * ar,
+    "phi4miniflash": lambda ar: 14.5 * ar**2 + 144 * ar,
+    "sambayoco": lambda ar: 13.5 * ar**2 + 208 * ar,
+}
+
+
 def n_mult(arch: str, ar: int | None = None) -> float:
-    """Non-embedding parameters per depth^3 (spec §3): transformer 14.5 * ar^2. `ar` overrides the registry's."""
-    ar = ARCHITECTURES[arch].ar if ar is None else ar
-    return {"transformer": 14.5 * ar**2}.get(arch, 14.5 * ar**2)
+    """Non-embedding parameters per depth^3 (spec §3). `ar` overrides the registry's aspect ratio."""
+    if arch not in N_MULT:
+        raise UserError(f"no parameter-count law for --train_model {arch!r}; add it to scaling_rules.N_MULT")
+    return N_MULT[arch](ARCHITECTURES[arch].ar if ar is None else ar)
 
 
 def default_tokens(hps: BaseHyperparameters, arch: str, depth: int, ar: int | None = None) -> float:

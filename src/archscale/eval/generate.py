@@ -1,8 +1,4 @@
-"""Load a trained model and sample from it.
-
-Decoding re-runs the full forward for each new token (no KV cache yet: incremental decoding arrives with the
-architecture work); fine for the short samples the demo prints.
-"""
+"""Load a trained model and sample from it (incremental decoding with caches: `GPT.generate`)."""
 
 from __future__ import annotations
 
@@ -42,30 +38,21 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GP
 
 @torch.no_grad()
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-             eos_id: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Append up to `max_new_tokens` sampled tokens to idx (B, T); greedy when temperature == 0."""
-    for _ in range(max_new_tokens):
-        logits = model(idx[:, -model.config.block_size:])[:, -1, :].float()
-        if temperature <= 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
-        idx = torch.cat([idx, nxt], dim=1)
-        if eos_id is not None and bool((nxt == eos_id).all()):
-            break
-    return idx
+             eos_id: int | None = None, generator: torch.Generator | None = None,
+             top_p: float | None = None) -> torch.Tensor:
+    """Append up to `max_new_tokens` tokens to idx (B, T) with the model's cached decoding; greedy when
+    temperature == 0."""
+    return model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos_id,
+                          generator=generator)
 
 
 def generate_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int = 100, temperature: float = 0.8,
-                  top_k: int | None = 50, seed: int = 0) -> str:
+                  top_k: int | None = 50, seed: int = 0, top_p: float | None = None) -> str:
     ids = tokenizer.encode(prompt, bos=False, eos=False) if prompt else [tokenizer.eos_id]
     device = next(model.parameters()).device
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = generate(model, idx, max_new_tokens, temperature, top_k, eos_id=tokenizer.eos_id, generator=gen)
+    out = generate(model, idx, max_new_tokens, temperature, top_k, eos_id=tokenizer.eos_id, generator=gen,
+                   top_p=top_p)
     new = [t for t in out[0, len(ids):].tolist() if t != tokenizer.eos_id]
     return prompt + tokenizer.decode(new)

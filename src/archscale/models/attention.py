@@ -1,65 +1,108 @@
-"""Causal self-attention with grouped-query heads (GQA) and RoPE.
+"""Attention mixers with grouped-query heads (GQA): full, sliding-window, the YOCO KV layer and cross-attention.
 
-One fused projection `attn: d -> (H + 2G) * hd`, laid out as [q (H*hd) | k (G*hd) | v (G*hd)].
-Attention runs through `F.scaled_dot_product_attention` (flash/memory-efficient kernels where the backend has
-them); flash-attn is used on CUDA when installed.
+Self-attention layers ("attn", "swa", "kv") use one fused projection `attn: d -> (H + 2G) * hd`, laid out as
+[q (H*hd) | k (G*hd) | v (G*hd)]. A cross-attention layer ("cross") has only its query projection `q_proj` and
+reads the K/V that the single "kv" layer produced in this forward pass (YOCO: one KV cache for the whole
+cross-decoder). RoPE rotates q and k in fp32 unless the architecture is NoPE. Phi4-mini-Flash adds biases on
+q, v and the output projection (`attn_bias`; k has none). With `use_da`, the softmax is replaced by differential
+attention (`diff_attention.py`). The kernel choice lives in `attention_ops.attend`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from archscale.config import ModelConfig
+from archscale.models.attention_ops import attend
+from archscale.models.cache import InferenceCache, KVCache, WindowKVCache
+from archscale.models.diff_attention import DifferentialAttention
 from archscale.models.rope import apply_rope
 
-try:  # optional CUDA kernel
-    from flash_attn import flash_attn_func  # type: ignore
-except Exception:  # pragma: no cover - not installable without CUDA
-    flash_attn_func = None
 
-# `enable_gqa` arrived in torch 2.5.
-_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+@dataclass
+class ForwardContext:
+    """What layers share within one forward pass."""
+
+    pos: int  # absolute position of the first input token (0 in training; the cache length when decoding)
+    cos: torch.Tensor | None  # RoPE tables for positions pos.. (None for NoPE models)
+    sin: torch.Tensor | None
+    cache: InferenceCache | None = None
+    memory: torch.Tensor | None = None  # GMU memory (set by the Mamba layer with gmu_save)
+    shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # YOCO K/V (B, G, T_kv, hd), key 0 = position 0
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, n_query_groups: int, head_size: int, bias: bool = False,
-                 attn_scale_mult: float = 1.0, use_rope: bool = True):
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, kind: str):
         super().__init__()
-        self.n_head, self.n_query_groups, self.head_size = n_head, n_query_groups, head_size
-        self.attn = nn.Linear(n_embd, (n_head + 2 * n_query_groups) * head_size, bias=bias)
-        self.proj = nn.Linear(n_head * head_size, n_embd, bias=bias)
-        self.scale = attn_scale_mult / math.sqrt(head_size)
-        self.use_rope = use_rope
+        if kind not in ("attn", "swa", "kv", "cross"):
+            raise ValueError(f"not an attention kind: {kind!r}")
+        H, G, hd, d = config.n_head, config.n_query_groups, config.head_size, config.n_embd
+        self.kind, self.layer_idx = kind, layer_idx
+        self.n_head, self.n_query_groups, self.head_size = H, G, hd
+        if kind == "cross":
+            self.q_proj = nn.Linear(d, H * hd, bias=config.bias)
+        else:
+            self.attn = nn.Linear(d, (H + 2 * G) * hd, bias=config.bias)
+        if config.attn_bias:
+            self.q_bias = nn.Parameter(torch.zeros(H * hd))
+            if kind != "cross":
+                self.v_bias = nn.Parameter(torch.zeros(G * hd))
+        self.proj = nn.Linear(H * hd, d, bias=config.bias or config.attn_bias)
+        self.scale = config.attn_scale_mult / math.sqrt(hd)
+        self.window = config.sliding_window if kind == "swa" else 0
+        self.use_rope = not config.nope
+        self.diff = DifferentialAttention(hd, layer_idx, config.norm_eps) if config.use_da else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, _ = x.shape
         H, G, hd = self.n_head, self.n_query_groups, self.head_size
-        # q and k are adjacent in the fused output, so RoPE rotates both in one call (half the elementwise
-        # kernels of rotating them separately), on the (B, T, heads, hd) layout before the transpose.
-        qk, v = self.attn(x).split(((H + G) * hd, G * hd), dim=-1)
-        qk = qk.view(B, T, H + G, hd)
-        if self.use_rope:
-            qk = apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))
-        q, k = qk.split((H, G), dim=2)
-        y = self._attend(q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, G, hd).transpose(1, 2))
+        q_pos0 = ctx.pos
+        if self.kind == "cross":
+            q = self.q_proj(x)
+            if hasattr(self, "q_bias"):
+                q = q + self.q_bias.to(q.dtype)
+            q = q.view(B, T, H, hd)
+            if self.use_rope:
+                q = apply_rope(q, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
+            if ctx.shared_kv is None:
+                raise RuntimeError(f"layer {self.layer_idx}: cross-attention runs before the KV layer")
+            k, v = ctx.shared_kv
+            q = q.transpose(1, 2)
+            k_pos0 = 0
+        else:
+            # q and k are adjacent in the fused output, so RoPE rotates both in one call (half the elementwise
+            # kernels of rotating them separately), on the (B, T, heads, hd) layout before the transpose.
+            qkv = self.attn(x)
+            if hasattr(self, "q_bias"):
+                qkv = qkv + torch.cat([self.q_bias, torch.zeros_like(self.q_bias[:G * hd]), self.v_bias]).to(qkv.dtype)
+            qk, v = qkv.split(((H + G) * hd, G * hd), dim=-1)
+            qk = qk.view(B, T, H + G, hd)
+            if self.use_rope:
+                qk = apply_rope(qk, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
+            q, k = qk.split((H, G), dim=2)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, G, hd).transpose(1, 2)
+            k, v, k_pos0 = self._cached(k, v, ctx)
+            if self.kind == "kv":
+                ctx.shared_kv = (k, v)
+        if self.diff is not None:
+            y = self.diff(q, k, v, lambda a, b, c: attend(a, b, c, scale=self.scale, q_pos0=q_pos0,
+                                                          k_pos0=k_pos0, window=self.window))
+        else:
+            y = attend(q, k, v, scale=self.scale, q_pos0=q_pos0, k_pos0=k_pos0, window=self.window)
         return self.proj(y.transpose(1, 2).reshape(B, T, H * hd))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: (B, H, T, hd); k, v: (B, G, T, hd) -> (B, H, T, hd)."""
-        if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-            out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                  softmax_scale=self.scale, causal=True)
-            return out.transpose(1, 2)
-        if self.n_query_groups != self.n_head:
-            if q.device.type == "cpu" and _SDPA_HAS_GQA:
-                # The CPU flash kernel reads the shared K/V heads in place: faster than expanding them (fewer
-                # copies forward, no reduction of the expanded grads backward; see docs/BENCHMARKS.md).
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-            # Elsewhere expand K/V to all heads: not every CUDA SDPA backend accepts grouped heads.
-            rep = self.n_head // self.n_query_groups
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+    def _cached(self, k, v, ctx: ForwardContext):
+        """Add this step's K/V to the layer's cache; return the keys to attend to and the first one's position."""
+        if ctx.cache is None:
+            return k, v, ctx.pos
+        if self.window:
+            state = ctx.cache.layer(self.layer_idx, lambda: WindowKVCache(self.window))
+            k, v, n_old = state.append(k, v)
+            return k, v, ctx.pos - n_old
+        state = ctx.cache.layer(self.layer_idx, lambda: KVCache(ctx.cache.capacity))
+        k, v = state.append(k, v)
+        return k, v, 0

@@ -1,7 +1,8 @@
 """The language model: token embedding -> blocks -> final norm -> (logit scale) -> lm_head.
 
-`GPT(config)(idx)` returns logits of shape (B, T, vocab_size). Read top to bottom; every mixer lives in its own
-file beside this one.
+`GPT(config)(idx)` returns logits of shape (B, T, vocab_size). `GPT.generate` decodes incrementally with an
+`InferenceCache` (KV caches, SWA windows, Mamba states, the shared YOCO KV). Read top to bottom; every mixer
+lives in its own file beside this one.
 """
 
 from __future__ import annotations
@@ -12,9 +13,16 @@ import torch
 from torch import nn
 
 from archscale.config import ModelConfig
+from archscale.models.attention import ForwardContext
 from archscale.models.block import Block
-from archscale.models.norm import RMSNorm
+from archscale.models.cache import InferenceCache
+from archscale.models.generation import generate
+from archscale.models.norm import make_norm
 from archscale.models.rope import rope_cache
+
+
+# Linears that write into the residual stream: GPT-2's 1/sqrt(2L) init under SP.
+OUTPUT_PROJECTIONS = ("mixer.proj", "mixer.out_proj", "mlp.w3")
 
 
 class GPT(nn.Module):
@@ -23,21 +31,46 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
-        self.ln_f = RMSNorm(config.n_embd, config.norm_eps)
+        self.ln_f = make_norm(config.norm_class, config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        kinds = config.layer_kinds
+        # YOCO: the cross-decoder (GMU / cross-attention layers) needs only the last prompt position at prefill
+        self.cross_start = next((i for i, k in enumerate(kinds) if k in ("cross", "gmu")), None)
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
 
     # ----------------------------------------------------------------------------------------------- forward
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: InferenceCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits (B, T, vocab) for idx (B, T); (B, 1, vocab) for the last position when `last_only`.
+
+        With `cache`, idx continues the cached sequence (positions cache.pos..) and the cache is updated; a
+        cross-decoder then sees only the last position when `last_only` (its layers keep no state of their own,
+        so the prompt's other positions are never needed: YOCO's linear-time prefill).
+        """
         B, T = idx.shape
-        cos, sin = self.rope(T, idx.device)
+        pos = cache.pos if cache is not None else 0
+        cos = sin = None
+        if not self.config.nope:
+            cos, sin = self.rope(pos + T, idx.device)
+            cos, sin = cos[pos:], sin[pos:]
+        ctx = ForwardContext(pos=pos, cos=cos, sin=sin, cache=cache)
         x = self.wte(idx).float()
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.blocks):
+            if last_only and i == self.cross_start and x.shape[1] > 1:
+                x = x[:, -1:]
+                ctx.pos = pos + T - 1
+                if ctx.memory is not None:
+                    ctx.memory = ctx.memory[:, -1:]
+                if cos is not None:
+                    ctx.cos, ctx.sin = cos[-1:], sin[-1:]
+            x = block(x, ctx)
+        if last_only:
+            x = x[:, -1:]
+        if cache is not None:
+            cache.pos = pos + T
         x = self.ln_f(x)
         if self.config.logit_scale != 1.0:
             x = x * self.config.logit_scale
@@ -45,6 +78,15 @@ class GPT(nn.Module):
         if self.config.padded_vocab_size != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]
         return logits
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_id: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Token ids (B, T + new): the prompt then up to max_new_tokens decoded with caches (greedy at
+        temperature 0; top-k / nucleus sampling otherwise). Stops early once every row has produced eos_id;
+        rows that finished earlier are padded with eos_id."""
+        return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        eos_id=eos_id, generator=generator)
 
     def rope(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos/sin for positions 0..T-1, cached and grown on demand (not a buffer: never checkpointed)."""
@@ -59,14 +101,22 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         """Initialise every weight according to `config.init_scheme`.
 
-        sp  (seed default): linears N(0, init_std); output projections (attn.proj, mlp.w3) further divided by
+        sp  (seed default): linears N(0, init_std); output projections (OUTPUT_PROJECTIONS) further divided by
             sqrt(2L) (GPT-2); embedding N(0, embed_init_std), or N(0, init_std) when tied.
         mup: linears keep PyTorch's default kaiming-uniform init (U(+-1/sqrt(fan_in))) times `w_init_mult`;
             untied lm_head is zero; embedding as above. `config.init_stds()` lists the resulting stds.
         """
         cfg = self.config
         std_out = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        # Modules with their own init first (norms, Mamba's A/D/dt/conv, differential-attention lambdas), then
+        # every Linear by the scheme, except the ones marked `_no_reinit` (Mamba's dt_proj keeps the spec init).
+        for module in self.modules():
+            if module is not self and not isinstance(module, (nn.Linear, nn.Embedding)) \
+                    and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
         for name, module in self.named_modules():
+            if isinstance(module, nn.Linear) and getattr(module.weight, "_no_reinit", False):
+                continue
             if isinstance(module, nn.Linear):
                 if cfg.init_scheme == "mup":
                     module.reset_parameters()
@@ -75,12 +125,10 @@ class GPT(nn.Module):
                     if module.bias is not None:
                         nn.init.zeros_(module.bias)
                 else:
-                    std = std_out if name.endswith(("attn.proj", "mixer.proj", "mlp.w3")) else cfg.init_std
+                    std = std_out if name.endswith(OUTPUT_PROJECTIONS) else cfg.init_std
                     nn.init.normal_(module.weight, 0.0, std)
                     if module.bias is not None:
                         nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()
         if cfg.tie_embeddings:
             nn.init.normal_(self.wte.weight, 0.0, cfg.init_std)
         else:
@@ -102,14 +150,21 @@ class GPT(nn.Module):
         return total
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
-        """Analytic FLOPs per token: 2*N per matmul parameter plus attention scores/values.
+        """Analytic FLOPs per token: 2*N per matmul parameter plus attention scores/values and SSM scans.
 
-        N counts every matmul weight, lm_head included (the embedding is a lookup). Attention adds
-        4 * n_head * head_size * T_eff per layer forward (QK^T and AV), T_eff = seq_len, not halved for
-        causality (torchtitan's convention). Training = 3x forward (backward is twice the forward).
+        N counts every matmul weight, lm_head included (the embedding is a lookup). Each attention layer adds
+        4 * n_head * head_size * T_eff (QK^T and AV), T_eff = seq_len (min(seq_len, W) for sliding windows), not
+        halved for causality (torchtitan's convention); differential attention computes two maps on values twice
+        as wide (x1.5). A Mamba layer's scan adds about 9 * d_inner * d_state. Training = 3x forward.
         """
         cfg = self.config
         n_matmul = self.num_params(non_embedding=True) + cfg.padded_vocab_size * cfg.n_embd
-        attn = cfg.n_layer * 4 * cfg.n_head * cfg.head_size * seq_len
-        forward = 2 * n_matmul + attn
+        extra = 0.0
+        for kind in cfg.layer_kinds:
+            if kind in ("attn", "kv", "cross", "swa"):
+                t_eff = min(seq_len, cfg.sliding_window) if kind == "swa" else seq_len
+                extra += 4 * cfg.n_head * cfg.head_size * t_eff * (1.5 if cfg.use_da else 1.0)
+            elif kind in ("mamba", "mamba_mem"):
+                extra += 9 * cfg.mamba_expand * cfg.n_embd * cfg.d_state
+        forward = 2 * n_matmul + extra
         return float(3 * forward if training else forward)

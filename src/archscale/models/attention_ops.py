@@ -1,0 +1,101 @@
+"""The attention kernel behind every attention mixer: causal (optionally sliding-window) softmax attention on
+absolute positions, with grouped K/V heads.
+
+`attend(q, k, v, scale=, q_pos0=, k_pos0=, window=)` picks a path:
+- flash-attn on CUDA when installed (half precision only), `window_size=(W-1, 0)`;
+- SDPA with `is_causal` when queries and keys cover the same positions and no window cuts in (training);
+- SDPA on non-overlapping query blocks of W against their 2W keys when a window is much shorter than the
+  sequence (sliding-window training on CPU costs O(T*W), not O(T^2));
+- SDPA with an explicit boolean mask otherwise (cached decoding, chunked prefill).
+`ARCHSCALE_ATTN_IMPL=flash|sdpa` forces a path (flash falls back to sdpa where it cannot run).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional CUDA kernel
+    from flash_attn import flash_attn_func  # type: ignore
+except Exception:  # pragma: no cover - not installable without CUDA
+    flash_attn_func = None
+
+# `enable_gqa` arrived in torch 2.5.
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def attention_mask(tq: int, tk: int, q_pos0: int, k_pos0: int, window: int, device) -> torch.Tensor:
+    """(tq, tk) bool, True where query q_pos0+i may see key k_pos0+j: j <= i and, with a window, i - j < W."""
+    qp = torch.arange(q_pos0, q_pos0 + tq, device=device)[:, None]
+    kp = torch.arange(k_pos0, k_pos0 + tk, device=device)[None, :]
+    mask = kp <= qp
+    if window:
+        mask &= kp > qp - window
+    return mask
+
+
+def _sdpa(q, k, v, scale, mask=None, causal=False):
+    """q (..., H, Tq, d), k/v (..., G, Tk, d): grouped heads read in place on CPU, expanded elsewhere."""
+    H, G = q.shape[-3], k.shape[-3]
+    if H != G:
+        if q.device.type == "cpu" and _SDPA_HAS_GQA:
+            # The CPU flash kernel reads the shared K/V heads in place: faster than expanding them.
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                                  enable_gqa=True)
+        k = k.repeat_interleave(H // G, dim=-3)
+        v = v.repeat_interleave(H // G, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def _blocked_window(q, k, v, scale, window):
+    """Sliding-window attention over T >> W: query block b (W queries) sees keys of blocks b-1 and b."""
+    B, H, T, d = q.shape
+    G, dv, W = k.shape[1], v.shape[-1], window
+    nb = -(-T // W)
+    pad = nb * W - T
+    q = F.pad(q, (0, 0, 0, pad)).view(B, H, nb, W, d).transpose(1, 2).reshape(B * nb, H, W, d)
+    # keys: one block of zeros in front, then windows of 2W keys with stride W
+    kk = F.pad(k, (0, 0, W, pad)).unfold(2, 2 * W, W)  # (B, G, nb, d, 2W)
+    vv = F.pad(v, (0, 0, W, pad)).unfold(2, 2 * W, W)
+    kk = kk.permute(0, 2, 1, 4, 3).reshape(B * nb, G, 2 * W, d)
+    vv = vv.permute(0, 2, 1, 4, 3).reshape(B * nb, G, 2 * W, dv)
+    i = torch.arange(W, device=q.device)[:, None]
+    j = torch.arange(2 * W, device=q.device)[None, :]
+    band = (j > i) & (j <= i + W)  # key j of the 2W sits at absolute (b-1)W + j; query i at bW + i
+    mask = band.expand(nb, W, 2 * W).clone()
+    mask[0, :, :W] = False  # block 0 has no previous block (those keys are padding)
+    mask = mask.unsqueeze(1).repeat(B, 1, 1, 1)  # (B*nb, 1, W, 2W)
+    out = _sdpa(q, kk, vv, scale, mask=mask)  # (B*nb, H, W, dv)
+    out = out.view(B, nb, H, W, dv).transpose(1, 2).reshape(B, H, nb * W, dv)
+    return out[:, :, :T]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_pos0: int = 0, k_pos0: int = 0,
+           window: int = 0) -> torch.Tensor:
+    """q (B, H, Tq, d), k (B, G, Tk, d), v (B, G, Tk, dv) -> (B, H, Tq, dv). Queries sit at absolute positions
+    q_pos0.., keys at k_pos0..; each query sees keys at or before its position (and, with window W, the W-1
+    before it). The keys must end at the last query's position (what training and cached decoding give)."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    if q_pos0 + Tq != k_pos0 + Tk:
+        raise ValueError(f"keys must end where queries end (q {q_pos0}+{Tq}, k {k_pos0}+{Tk})")
+    impl = os.environ.get("ARCHSCALE_ATTN_IMPL", "auto")
+    if (impl in ("auto", "flash") and flash_attn_func is not None and q.is_cuda
+            and q.dtype in (torch.float16, torch.bfloat16)):
+        if v.shape[-1] != q.shape[-1]:  # flash-attn wants equal head dims: split wide values
+            return torch.cat([attend(q, k, vi, scale=scale, q_pos0=q_pos0, k_pos0=k_pos0, window=window)
+                              for vi in v.split(q.shape[-1], dim=-1)], dim=-1)
+        # flash-attn aligns causal masks bottom-right, which is our position convention
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                              causal=True, window_size=(window - 1, 0) if window else (-1, -1))
+        return out.transpose(1, 2)
+    no_cut = not window or window >= Tk
+    if Tq == Tk and no_cut:
+        return _sdpa(q, k, v, scale, causal=True)
+    if Tq == 1 and no_cut:
+        return _sdpa(q, k, v, scale)  # one query at the end sees every key
+    if Tq == Tk and window and Tk > 2 * window:
+        return _blocked_window(q, k, v, scale, window)
+    mask = attention_mask(Tq, Tk, q_pos0, k_pos0, window, q.device)
+    return _sdpa(q, k, v, scale, mask=mask)

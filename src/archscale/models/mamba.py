@@ -1,0 +1,122 @@
+"""Mamba-1 token mixer (Gu & Dao 2023), parameter names as mamba-ssm's `Mamba` (and HF's `MambaMixer`).
+
+    xz = in_proj(x);  x, z = split(xz)                        (B, T, d_inner) each
+    x  = silu(causal depthwise conv1d(x))
+    dt, B, C = split(x_proj(x));  dt = dt_proj.weight @ dt   (dt_proj.bias is the scan's delta_bias)
+    y  = selective_scan(x, dt, A=-exp(A_log), B, C, D)       (the SSM output, including the D*x skip)
+    out = out_proj(y * silu(z))
+
+With ``gmu_save=True`` the forward also returns ``y`` (pre-gate) as the GMU memory of SambaY; otherwise the
+memory is None. Projections run in the input's dtype (autocast friendly); the scan always runs in fp32.
+
+Decoding: pass a `MambaState` (``MambaState.empty(batch, module, device, dtype)``); the forward continues from
+it for any number of tokens and updates it in place, so one call over a sequence equals calls over its pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from archscale.kernels.selective_scan import selective_scan, selective_state_update
+
+
+@dataclass
+class MambaState:
+    """Recurrent state of one Mamba layer: the last d_conv-1 conv inputs and the SSM state (fp32)."""
+
+    conv: Tensor  # (B, d_inner, d_conv - 1), in the activation dtype
+    ssm: Tensor   # (B, d_inner, d_state), fp32
+
+    @classmethod
+    def empty(cls, batch: int, module: "Mamba", device=None, dtype=None) -> "MambaState":
+        device = device if device is not None else module.A_log.device
+        dtype = dtype if dtype is not None else module.in_proj.weight.dtype
+        return cls(conv=torch.zeros(batch, module.d_inner, module.d_conv - 1, device=device, dtype=dtype),
+                   ssm=torch.zeros(batch, module.d_inner, module.d_state, device=device, dtype=torch.float32))
+
+
+class Mamba(nn.Module):
+    def __init__(self, d_model: int, *, d_state: int = 16, d_conv: int = 4, expand: int = 2,
+                 dt_rank: int | None = None, gmu_save: bool = False, scan_impl: str = "auto",
+                 dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4):
+        super().__init__()
+        self.d_model, self.d_state, self.d_conv = d_model, d_state, d_conv
+        self.d_inner = expand * d_model
+        self.dt_rank = math.ceil(d_model / 16) if dt_rank is None else dt_rank
+        self.gmu_save, self.scan_impl = gmu_save, scan_impl
+        self.dt_min, self.dt_max, self.dt_init_floor = dt_min, dt_max, dt_init_floor
+
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=False)
+        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, kernel_size=d_conv, groups=self.d_inner,
+                                padding=d_conv - 1, bias=True)
+        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(self.d_inner, d_state))
+        self.D = nn.Parameter(torch.empty(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
+        # the model-wide init must leave these alone (their init is part of the SSM's definition)
+        self.dt_proj.weight._no_reinit = True
+        self.dt_proj.bias._no_reinit = True
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """mamba-ssm's init: dt log-uniform in [dt_min, dt_max] (floored) as inverse softplus in dt_proj.bias,
+        dt_proj.weight ~ U(+-dt_rank^-0.5), A = -(1..N) per channel (S4D-real), D = 1; the rest PyTorch's default."""
+        for m in (self.in_proj, self.conv1d, self.x_proj, self.out_proj):
+            m.reset_parameters()
+        std = self.dt_rank ** -0.5
+        nn.init.uniform_(self.dt_proj.weight, -std, std)
+        dt = torch.exp(torch.rand(self.d_inner, device=self.dt_proj.bias.device, dtype=torch.float32)
+                       * (math.log(self.dt_max) - math.log(self.dt_min)) + math.log(self.dt_min))
+        dt = dt.clamp(min=self.dt_init_floor)
+        self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        A = torch.arange(1, self.d_state + 1, dtype=torch.float32, device=self.A_log.device)
+        self.A_log.copy_(torch.log(A).expand(self.d_inner, -1))
+        nn.init.ones_(self.D)
+
+    def forward(self, x: Tensor, state: MambaState | None = None) -> tuple[Tensor, Tensor | None]:
+        """x (B, T, d_model) -> (out (B, T, d_model), memory (B, T, d_inner) if gmu_save else None)."""
+        T = x.shape[1]
+        xz = self.in_proj(x).transpose(1, 2)                                  # (B, 2*d_inner, T)
+        xs, z = xz.chunk(2, dim=1)
+        xs = F.silu(self._conv(xs, state))                                    # (B, d_inner, T)
+        dt, Bm, Cm = torch.split(self.x_proj(xs.transpose(1, 2)), [self.dt_rank, self.d_state, self.d_state],
+                                 dim=-1)
+        dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)                # (B, d_inner, T); bias: in the scan
+        A = -torch.exp(self.A_log.float())
+        gate = None if self.gmu_save else z
+        if state is not None and T == 1:
+            y = selective_state_update(state.ssm, xs[..., 0], dt[..., 0], A, Bm[:, 0], Cm[:, 0], self.D,
+                                       z=None if gate is None else gate[..., 0], dt_bias=self.dt_proj.bias,
+                                       dt_softplus=True).unsqueeze(-1)
+        else:
+            y = selective_scan(xs, dt, A, Bm.transpose(1, 2), Cm.transpose(1, 2), D=self.D.float(), z=gate,
+                               delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
+                               initial_state=None if state is None else state.ssm,
+                               return_last_state=state is not None, impl=self.scan_impl)
+            if state is not None:
+                y, state.ssm = y
+        y = y.transpose(1, 2)                                                 # (B, T, d_inner)
+        if self.gmu_save:
+            memory = y
+            y = y * F.silu(z.transpose(1, 2))
+        else:
+            memory = None
+        return self.out_proj(y), memory
+
+    def _conv(self, xs: Tensor, state: MambaState | None) -> Tensor:
+        """Causal depthwise conv over (B, d_inner, T); with a state, prepend its inputs and store the new tail."""
+        T = xs.shape[-1]
+        if state is None:
+            return self.conv1d(xs)[..., :T]
+        full = torch.cat([state.conv.to(xs.dtype), xs], dim=-1)              # (B, d_inner, d_conv-1+T)
+        state.conv = full[..., full.shape[-1] - (self.d_conv - 1):].clone()
+        w = self.conv1d.weight
+        bias = self.conv1d.bias
+        return F.conv1d(full, w.to(xs.dtype), None if bias is None else bias.to(xs.dtype), groups=self.d_inner)
