@@ -1,0 +1,122 @@
+"""Attention kernels and mixers against small hand-written references (explicit softmax loops).
+
+Tolerances: fp32 throughout, 1e-5 absolute (SDPA vs an explicit softmax differ by rounding only).
+"""
+
+import math
+
+import pytest
+import torch
+
+from archscale import GPT, ModelConfig
+from archscale.models.attention_ops import attend
+from archscale.models.diff_attention import DifferentialAttention, lambda_init_for
+from archscale.models.gmu import GMU
+
+
+def naive_attention(q, k, v, scale, q_pos0=0, k_pos0=0, window=0):
+    """Per query, softmax over the keys it may see; GQA by head // (H // G)."""
+    B, H, Tq, _ = q.shape
+    G = k.shape[1]
+    out = torch.zeros(B, H, Tq, v.shape[-1])
+    for h in range(H):
+        g = h // (H // G)
+        for i in range(Tq):
+            qp = q_pos0 + i
+            keys = [j for j in range(k.shape[2]) if k_pos0 + j <= qp and (not window or k_pos0 + j > qp - window)]
+            s = (q[:, h, i:i + 1] @ k[:, g, keys].transpose(-1, -2)) * scale  # (B, 1, n)
+            out[:, h, i] = (torch.softmax(s, dim=-1) @ v[:, g, keys])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("T,window", [(9, 0), (9, 3), (40, 4), (37, 5), (16, 16)])
+def test_attend_matches_naive_training_shapes(T, window):
+    """Covers causal SDPA, the explicit band mask (T <= 2W) and the blocked window path (T > 2W)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, T, 8), torch.randn(2, 2, T, 8), torch.randn(2, 2, T, 6)
+    got = attend(q, k, v, scale=0.3, window=window)
+    torch.testing.assert_close(got, naive_attention(q, k, v, 0.3, window=window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("Tq,Tk,window", [(1, 12, 0), (1, 12, 4), (5, 12, 0), (5, 8, 4), (3, 3, 2)])
+def test_attend_matches_naive_with_offsets(Tq, Tk, window):
+    """Decoding / chunked prefill: queries at the end of a longer key range."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 4, Tq, 8), torch.randn(1, 1, Tk, 8), torch.randn(1, 1, Tk, 8)
+    k_pos0 = 20
+    q_pos0 = k_pos0 + Tk - Tq
+    got = attend(q, k, v, scale=0.5, q_pos0=q_pos0, k_pos0=k_pos0, window=window)
+    ref = naive_attention(q, k, v, 0.5, q_pos0=q_pos0, k_pos0=k_pos0, window=window)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attend_rejects_misaligned_keys():
+    q, k = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 5, 4)
+    with pytest.raises(ValueError, match="keys must end"):
+        attend(q, k, k, scale=1.0, q_pos0=0, k_pos0=0)
+
+
+def test_blocked_window_gradients_match_dense_mask():
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 30, 4, requires_grad=True) for _ in range(3))
+    attend(q, k, v, scale=0.5, window=4).square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    naive_attention(q, k, v, 0.5, window=4).square().sum().backward()
+    for a, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(a, t.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_differential_attention_matches_formula():
+    torch.manual_seed(3)
+    B, H, G, T, hd = 1, 4, 2, 6, 4
+    da = DifferentialAttention(hd, layer_idx=3)
+    q, k, v = torch.randn(B, H, T, hd), torch.randn(B, G, T, hd), torch.randn(B, G, T, hd)
+    got = da(q, k, v, lambda a, b, c: attend(a, b, c, scale=0.5))
+    lam_init = 0.8 - 0.6 * math.exp(-0.9)
+    assert da.lambda_init == pytest.approx(lam_init) == lambda_init_for(3)
+    lam = (torch.exp((da.lambda_q1 * da.lambda_k1).sum()) - torch.exp((da.lambda_q2 * da.lambda_k2).sum())
+           + lam_init)
+    causal = torch.ones(T, T).tril().bool()
+    for p in range(H // 2):  # pair p: heads 2p, 2p+1; K/V pair p // (H/G) of the pairs
+        gp = p // (H // G)
+        vv = torch.cat([v[0, 2 * gp], v[0, 2 * gp + 1]], dim=-1)  # (T, 2hd)
+        maps = []
+        for s in (0, 1):
+            scores = (q[0, 2 * p + s] @ k[0, 2 * gp + s].T * 0.5).masked_fill(~causal, float("-inf"))
+            maps.append(torch.softmax(scores, dim=-1))
+        diff = maps[0] @ vv - lam * (maps[1] @ vv)
+        normed = diff / torch.sqrt(diff.pow(2).mean(-1, keepdim=True) + 1e-5) * (1 - lam_init)
+        # the pair's 2hd outputs occupy heads 2p (first half) and 2p+1 (second half)
+        torch.testing.assert_close(got[0, 2 * p], normed[:, :hd], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[0, 2 * p + 1], normed[:, hd:], atol=1e-5, rtol=1e-5)
+
+
+def test_gmu_matches_formula():
+    torch.manual_seed(4)
+    gmu = GMU(6, 12)
+    x, m = torch.randn(2, 5, 6), torch.randn(2, 5, 12)
+    ref = (torch.nn.functional.silu(x @ gmu.in_proj.weight.T) * m) @ gmu.out_proj.weight.T
+    torch.testing.assert_close(gmu(x, m), ref, atol=1e-6, rtol=1e-5)
+
+
+def test_cross_attention_uses_the_kv_layers_keys():
+    """In SambaY-OCO, a cross layer's output == naive attention of its own queries over layer L/2+1's K/V."""
+    torch.manual_seed(5)
+    cfg = ModelConfig.from_arch("sambayoco", 8, ar=8, vocab_size=50, sliding_window=4)
+    model = GPT(cfg).eval()
+    seen = {}
+    kv_layer, cross = model.blocks[5].mixer, model.blocks[6].mixer
+    kv_layer.register_forward_hook(lambda m, a, out: seen.update(kv_in=a[0]))
+    cross.register_forward_hook(lambda m, a, out: seen.update(x=a[0], out=out))
+    with torch.no_grad():
+        model(torch.randint(0, 50, (1, 7)))
+        H, G, hd = cfg.n_head, cfg.n_query_groups, cfg.head_size
+        qkv = kv_layer.attn(seen["kv_in"])
+        k = qkv[..., H * hd:(H + G) * hd].view(1, 7, G, hd).transpose(1, 2)
+        v = qkv[..., (H + G) * hd:].view(1, 7, G, hd).transpose(1, 2)
+        q = cross.q_proj(seen["x"]).view(1, 7, H, hd).transpose(1, 2)
+        y = naive_attention(q, k, v, cross.scale)
+        ref = cross.proj(y.transpose(1, 2).reshape(1, 7, H * hd))
+    torch.testing.assert_close(seen["out"], ref, atol=1e-5, rtol=1e-5)
