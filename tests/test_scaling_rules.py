@@ -165,10 +165,11 @@ COORD_LR = 1e-2  # ~25x a normal LR at this base size, so that a wrong rule show
 STEPS = 4
 
 
-def coordinates(parametrization: str, depth: int, seed: int = 0) -> list[dict]:
+def coordinates(parametrization: str, depth: int, seed: int = 0, arch: str = "transformer", d0: int = DEPTHS[0],
+                ar: int = 32) -> list[dict]:
     """mean |x| of every block output and of the logits, before and after each of STEPS AdamW steps."""
-    hps = BaseHyperparameters(d0=DEPTHS[0], hd0=32)
-    cfg = ModelConfig.from_arch("transformer", depth, ar=32, vocab_size=256, block_size=64)
+    hps = BaseHyperparameters(d0=d0, hd0=ar)
+    cfg = ModelConfig.from_arch(arch, depth, ar=ar, vocab_size=256, block_size=64)
     rules = resolve_parametrization(parametrization, hps, depth, cfg.n_layer, cfg.head_size)
     cfg = cfg.replace(**rules.model_overrides())
     torch.manual_seed(seed)
@@ -225,6 +226,29 @@ def test_coordinate_check_mup_plus_plus_is_flat_and_sp_is_not(coords):
     assert all(math.isfinite(x) for v in logits.values() for x in v)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,depths,ar", [("mamba", (2, 4, 8), 32), ("sambay", (4, 8, 16), 16)])
+def test_coordinate_check_hybrid_families(arch, depths, ar):
+    """The same check for the Mamba family and the SambaY family (Mamba + SWA + GMU + YOCO cross-attention).
+
+    Measured (seeds 0, 1): residual-stream spread mu-P++ 1.13-2.46, SP 11-169; logits widest / narrowest mu-P++
+    0.34-0.53, SP 2.23-4.37. Bounds below leave room for noise; the SP side is the negative control.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        c = {p: {d: coordinates(p, d, arch=arch, d0=depths[0], ar=ar) for d in depths} for p in ("mup++", "sp")}
+    finally:
+        torch.set_num_threads(threads)
+    for key_at in (lambda d: f"block{d // 2 - 1}", lambda d: f"block{d - 1}"):
+        for t in range(2, STEPS + 1):
+            assert spread([c["mup++"][d][t][key_at(d)] for d in depths]) < 3.0, t
+            assert spread([c["sp"][d][t][key_at(d)] for d in depths]) > 8.0, t
+    logits = {p: [sum(h["logits"] for h in c[p][d][1:]) / STEPS for d in depths] for p in c}
+    growth = {p: v[-1] / v[0] for p, v in logits.items()}
+    assert 0.25 < growth["mup++"] < 1.25 and growth["sp"] > 1.6, growth
+
+
 # ------------------------------------------------------------------------------------------------- training
 def test_mup_plus_plus_run_trains_and_logs_its_rules(dataset, tmp_path):
     from tests.test_train import args, rows
@@ -238,3 +262,50 @@ def test_mup_plus_plus_run_trains_and_logs_its_rules(dataset, tmp_path):
     assert vals[-1] < vals[0] - 0.5, vals
     cfg = (run / "config.yaml").read_text()
     assert "parametrization: mup++" in cfg and "init_scheme: mup" in cfg and "wd_vector: 0.0" in cfg
+
+
+# ------------------------------------------------------------------------------- the seed's hybrid commands
+def dry(capsys, *argv):
+    assert main(["pretrain", "--train_data_dir", "/nonexistent/data", *argv, "--dry_run"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_dry_run_phi4_mini_flash_readme_recipe(capsys):
+    plan = dry(capsys, "--base_hps.eta0=5e-4", "--base_hps.b0=8388608", "--base_hps.warmup_tokens0=25_165_824_000",
+               "--ctx_len", "8192", "--max_tokens", "5e12", "--resume=auto", "--train_model", "phi4miniflash",
+               "--depth", "32", "--train_name", "scaling")
+    assert (plan["n_layer"], plan["n_embd"], plan["n_head"], plan["n_kv_head"], plan["head_size"]) == (
+        32, 2560, 40, 20, 64)
+    assert plan["vocab_size"] == 200064 and plan["tie_embeddings"] is True  # the preset, not the 32000 default
+    assert 3.80e9 < plan["n_params"] < 3.90e9 and plan["parametrization"] == "sp"
+    assert plan["batch_tokens"] == 8388608 and plan["lr_matrix"] == plan["lr_vector"] == 5e-4  # b = b0: x1
+    assert plan["optimizer_steps"] == int(5e12) // 8388608 == 596046
+    assert plan["warmup_tokens"] == 25_165_824_000 and plan["warmup_steps"] == 3000
+    assert plan["wd_vector"] == 0.1 and plan["residual_scale"] == 1.0 and plan["attn_scale"] == 0.125
+    # an explicit vocabulary still wins over the preset
+    assert dry(capsys, "--train_model", "phi4miniflash", "--depth", "32", "--vocab_size", "32000")["vocab_size"] == 32000
+
+
+@pytest.mark.parametrize("arch", ["sambay", "sambayda"])
+def test_dry_run_sambay_d24_scaling_mup_tie(capsys, arch):
+    plan = dry(capsys, "--train_model", arch, "--depth", "24", "--train_name", "scaling_mup_tie",
+               "--vocab_size", "200064", "--ctx_len", "8192")
+    lr_m, lr_v, _, res, logit = EXPECTED[24]
+    assert (plan["n_layer"], plan["n_embd"], plan["n_head"], plan["n_kv_head"]) == (24, 124 * 24, 24, 6)
+    assert abs(plan["n_params_non_embedding"] - 3.37e9) / 3.37e9 < 0.01  # spec §2.2
+    assert plan["tie_embeddings"] is True and plan["parametrization"] == "mup++"
+    assert plan["lr_matrix"] == pytest.approx(lr_m) and plan["lr_vector"] == pytest.approx(lr_v)
+    assert plan["residual_scale"] == pytest.approx(res) and plan["logit_scale"] == pytest.approx(logit)
+    assert (plan["wd_matrix"], plan["wd_vector"]) == (0.1, 0.0)
+    # tokens: the architecture's own law for N(d), the Transformer's for N(d0) (era 1)
+    assert plan["max_tokens"] == int(1e11 * (14.5 * 124**2 + 144 * 124) * 24**3 / (237_568 * 16**3))
+
+
+@pytest.mark.parametrize("lr,bs", [("4e-4", 4194304), ("1e-3", 16777216)])
+def test_dry_run_hp_sweep_names(capsys, lr, bs):
+    plan = dry(capsys, "--train_model", "sambay", "--depth", "8", "--base_hps.eta0", lr, "--base_hps.b0", str(bs),
+               "--max_tokens", "1e10", "--train_name", f"hp_sweep_lr{lr}_bs{bs}")
+    assert plan["run_name"] == f"hp_sweep_lr{lr}_bs{bs}_sambay_d8_ctx{plan['ctx_len']}"
+    assert plan["parametrization"] == "sp" and plan["batch_tokens"] == bs
+    assert plan["lr_matrix"] == plan["lr_vector"] == pytest.approx(float(lr))  # b = b0 exactly
+    assert plan["optimizer_steps"] == int(1e10) // bs

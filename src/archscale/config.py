@@ -51,6 +51,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                       ("tie_embeddings", True), ("block_size", 8192))),
 }
 
+def arch_preset(arch: str) -> dict[str, Any]:
+    """The architecture's fixed ModelConfig values (empty for the depth-scaled families)."""
+    return dict(ARCHITECTURES[arch].preset) if arch in ARCHITECTURES else {}
+
+
 LAYER_KINDS = ("attn", "swa", "mamba", "mamba_mem", "kv", "cross", "gmu")
 
 

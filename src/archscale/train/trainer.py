@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from archscale.config import ModelConfig
+from archscale.config import ModelConfig, arch_preset
 from archscale.data.loader import PackedLoader, load_mixture, read_manifest, validation_batches
 from archscale.errors import UserError
 from archscale.models.model import GPT
@@ -71,7 +71,9 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
         warn(f"warning: --train_name {cfg.train_name!r}: unrecognised token(s) {unknown} carry no setting")
     validate(cfg)
     manifest = read_manifest(cfg.train_data_dir)
-    vocab = cfg.vocab_size or (manifest or {}).get("vocab_size") or default_vocab
+    preset = arch_preset(cfg.train_model)  # e.g. Phi4-mini-Flash's 200,064 tied vocabulary
+    vocab = cfg.vocab_size or preset.get("vocab_size") or (manifest or {}).get("vocab_size") or default_vocab
+    tie = cfg.tie_embeddings or ("tie_embeddings" not in explicit and preset.get("tie_embeddings", False))
     if not vocab:
         raise UserError(f"{cfg.train_data_dir} has no manifest.json to read the vocab size from; pass --vocab_size")
     if manifest and manifest.get("vocab_size", 0) > vocab:
@@ -79,9 +81,8 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
                         f"{vocab}; the model cannot embed those token ids (drop --vocab_size or raise it)")
     hps = cfg.base_hps
     sizes = ModelConfig.from_arch(cfg.train_model, cfg.depth, ar=cfg.ar, vocab_size=int(vocab),
-                                  block_size=cfg.ctx_len, rope_base=cfg.rope_base, tie_embeddings=cfg.tie_embeddings)
-    rules = resolve_parametrization(cfg.parametrization, hps, cfg.depth, sizes.n_layer, sizes.head_size,
-                                    tie=cfg.tie_embeddings)
+                                  block_size=cfg.ctx_len, rope_base=cfg.rope_base, tie_embeddings=tie)
+    rules = resolve_parametrization(cfg.parametrization, hps, cfg.depth, sizes.n_layer, sizes.head_size, tie=tie)
     model_cfg = sizes.replace(**rules.model_overrides())
     batch, accum, lr = resolve_batch_and_lr(hps, cfg.micro_bsz, cfg.ctx_len, world_size)
     lr = lr * rules.global_lr_mult
