@@ -101,6 +101,7 @@ class ModelConfig:
     padded_vocab_size: int = 0  # 0: vocab_size rounded up to padding_multiple
     block_size: int = 4096  # training context length (RoPE cache is built lazily beyond it)
     rope_base: float = 10000.0
+    rope_scaling: float = 1.0  # linear position interpolation factor (positions are divided by it)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     bias: bool = False  # biases in every Linear of attention and MLP (seed's `_bias`)
@@ -153,6 +154,8 @@ class ModelConfig:
         if self.use_da and (self.n_head % 2 or self.n_query_groups % 2):
             problems.append(f"differential attention pairs heads: n_head={self.n_head} and "
                             f"n_query_groups={self.n_query_groups} must both be even (a depth that is a multiple of 8)")
+        if self.rope_scaling < 1.0:
+            problems.append(f"rope_scaling must be >= 1 (got {self.rope_scaling})")
         if self.norm_class not in ("rmsnorm", "layernorm"):
             problems.append(f"norm_class must be 'rmsnorm' or 'layernorm' (got {self.norm_class!r})")
         if problems:

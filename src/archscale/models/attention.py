@@ -28,8 +28,9 @@ class ForwardContext:
     """What layers share within one forward pass."""
 
     pos: int  # absolute position of the first input token (0 in training; the cache length when decoding)
-    cos: torch.Tensor | None  # RoPE tables for positions pos.. (None for NoPE models)
-    sin: torch.Tensor | None
+    cos: torch.Tensor | None  # RoPE tables broadcastable to (B, T, heads, hd/2): (T, 1, hd/2), or (B, T, 1, hd/2)
+    sin: torch.Tensor | None  # with per-document positions; None for NoPE models
+    doc_ids: torch.Tensor | None = None  # (B, T) document index of every token (varlen): attention stays inside
     cache: InferenceCache | None = None
     memory: torch.Tensor | None = None  # GMU memory (set by the Mamba layer with gmu_save)
     shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # YOCO K/V (B, G, T_kv, hd), key 0 = position 0
@@ -67,7 +68,7 @@ class Attention(nn.Module):
                 q = q + self.q_bias.to(q.dtype)
             q = q.view(B, T, H, hd)
             if self.use_rope:
-                q = apply_rope(q, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
+                q = apply_rope(q, ctx.cos, ctx.sin)
             if ctx.shared_kv is None:
                 raise RuntimeError(f"layer {self.layer_idx}: cross-attention runs before the KV layer")
             k, v = ctx.shared_kv
@@ -82,17 +83,19 @@ class Attention(nn.Module):
             qk, v = qkv.split(((H + G) * hd, G * hd), dim=-1)
             qk = qk.view(B, T, H + G, hd)
             if self.use_rope:
-                qk = apply_rope(qk, ctx.cos.unsqueeze(1), ctx.sin.unsqueeze(1))
+                qk = apply_rope(qk, ctx.cos, ctx.sin)
             q, k = qk.split((H, G), dim=2)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, G, hd).transpose(1, 2)
             k, v, k_pos0 = self._cached(k, v, ctx)
             if self.kind == "kv":
                 ctx.shared_kv = (k, v)
-        if self.diff is not None:
-            y = self.diff(q, k, v, lambda a, b, c: attend(a, b, c, scale=self.scale, q_pos0=q_pos0,
-                                                          k_pos0=k_pos0, window=self.window))
-        else:
-            y = attend(q, k, v, scale=self.scale, q_pos0=q_pos0, k_pos0=k_pos0, window=self.window)
+        docs = ctx.doc_ids  # training only (no cache): queries and keys cover the same positions
+
+        def core(q_, k_, v_):
+            return attend(q_, k_, v_, scale=self.scale, q_pos0=q_pos0, k_pos0=k_pos0, window=self.window,
+                          q_docs=docs, k_docs=docs)
+
+        y = self.diff(q, k, v, core) if self.diff is not None else core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, H * hd))
 
     def _cached(self, k, v, ctx: ForwardContext):

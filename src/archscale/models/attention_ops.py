@@ -6,7 +6,8 @@ absolute positions, with grouped K/V heads.
 - SDPA with `is_causal` when queries and keys cover the same positions and no window cuts in (training);
 - SDPA on non-overlapping query blocks of W against their 2W keys when a window is much shorter than the
   sequence (sliding-window training on CPU costs O(T*W), not O(T^2));
-- SDPA with an explicit boolean mask otherwise (cached decoding, chunked prefill).
+- SDPA with an explicit boolean mask otherwise (cached decoding, chunked prefill), and for variable-length
+  (document-masked) training, where the mask is also block-diagonal over documents (`q_docs`, `k_docs`).
 `ARCHSCALE_ATTN_IMPL=flash|sdpa` forces a path (flash falls back to sdpa where it cannot run).
 """
 
@@ -73,13 +74,18 @@ def _blocked_window(q, k, v, scale, window):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_pos0: int = 0, k_pos0: int = 0,
-           window: int = 0) -> torch.Tensor:
+           window: int = 0, q_docs: torch.Tensor | None = None, k_docs: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, Tq, d), k (B, G, Tk, d), v (B, G, Tk, dv) -> (B, H, Tq, dv). Queries sit at absolute positions
     q_pos0.., keys at k_pos0..; each query sees keys at or before its position (and, with window W, the W-1
-    before it). The keys must end at the last query's position (what training and cached decoding give)."""
+    before it). The keys must end at the last query's position (what training and cached decoding give).
+    With q_docs (B, Tq) / k_docs (B, Tk) document ids, a query sees only keys of its own document."""
     Tq, Tk = q.shape[2], k.shape[2]
     if q_pos0 + Tq != k_pos0 + Tk:
         raise ValueError(f"keys must end where queries end (q {q_pos0}+{Tq}, k {k_pos0}+{Tk})")
+    if q_docs is not None:
+        mask = attention_mask(Tq, Tk, q_pos0, k_pos0, window, q.device)
+        mask = mask & (q_docs[:, :, None] == k_docs[:, None, :])  # (B, Tq, Tk): block-diagonal causal
+        return _sdpa(q, k, v, scale, mask=mask.unsqueeze(1))
     impl = os.environ.get("ARCHSCALE_ATTN_IMPL", "auto")
     if (impl in ("auto", "flash") and flash_attn_func is not None and q.is_cuda
             and q.dtype in (torch.float16, torch.bfloat16)):

@@ -43,20 +43,30 @@ class GPT(nn.Module):
             self.reset_parameters()
 
     # ----------------------------------------------------------------------------------------------- forward
-    def forward(self, idx: torch.Tensor, cache: InferenceCache | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: InferenceCache | None = None, last_only: bool = False,
+                doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for idx (B, T); (B, 1, vocab) for the last position when `last_only`.
 
         With `cache`, idx continues the cached sequence (positions cache.pos..) and the cache is updated; a
         cross-decoder then sees only the last position when `last_only` (its layers keep no state of their own,
         so the prompt's other positions are never needed: YOCO's linear-time prefill).
+        Variable-length training: `doc_ids` (B, T) keeps every mixer inside its document (attention masks, Mamba
+        state resets); `position_ids` (B, T) gives RoPE positions (default: 0..T-1, the seed's behaviour; see
+        `document_ids` for per-document positions).
         """
         B, T = idx.shape
         pos = cache.pos if cache is not None else 0
+        if cache is not None and (doc_ids is not None or position_ids is not None):
+            raise ValueError("doc_ids / position_ids are for training-style forwards, not cached decoding")
         cos = sin = None
         if not self.config.nope:
-            cos, sin = self.rope(pos + T, idx.device)
-            cos, sin = cos[pos:], sin[pos:]
-        ctx = ForwardContext(pos=pos, cos=cos, sin=sin, cache=cache)
+            if position_ids is not None:
+                cos, sin = self.rope(int(position_ids.max()) + 1, idx.device)
+                cos, sin = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # (B, T, 1, hd/2)
+            else:
+                cos, sin = self.rope(pos + T, idx.device)
+                cos, sin = cos[pos:].unsqueeze(1), sin[pos:].unsqueeze(1)  # (T, 1, hd/2)
+        ctx = ForwardContext(pos=pos, cos=cos, sin=sin, cache=cache, doc_ids=doc_ids)
         x = self.wte(idx).float()
         for i, block in enumerate(self.blocks):
             if last_only and i == self.cross_start and x.shape[1] > 1:
@@ -92,7 +102,8 @@ class GPT(nn.Module):
         """fp32 cos/sin for positions 0..T-1, cached and grown on demand (not a buffer: never checkpointed)."""
         if self._rope is None or self._rope[0].shape[0] < T or self._rope[0].device != device:
             n = max(T, self.config.block_size)
-            self._rope = rope_cache(n, self.config.head_size, self.config.rope_base, device=device)
+            self._rope = rope_cache(n, self.config.head_size, self.config.rope_base, device=device,
+                                    linear_scaling=self.config.rope_scaling)
         cos, sin = self._rope
         return cos[:T], sin[:T]
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import torch
 
 
-def rope_cache(seq_len: int, head_size: int, base: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (seq_len, head_size // 2), fp32."""
+def rope_cache(seq_len: int, head_size: int, base: float, device=None,
+               linear_scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (seq_len, head_size // 2), fp32. `linear_scaling` F > 1 is position interpolation:
+    position p is rotated as p / F, so a model trained at length N sees positions up to F*N in range."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, device=device, dtype=torch.float32) / head_size))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32) / linear_scaling
+    angles = torch.outer(positions, inv_freq)
     return angles.cos(), angles.sin()
 
 
