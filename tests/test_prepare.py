@@ -188,14 +188,24 @@ def test_split_independent_of_workers_and_order(tmp_path, tok_path, tok):
     assert mr["splits"]["validation"]["documents"] == sum(_is_val(k, i, 0.25) for k, i, _ in docs)
 
 
-def test_max_length_truncates_with_eos(tmp_path, tok_path, tok):
+def test_max_length_splits_long_documents(tmp_path, tok_path, tok):
     args, docs = _write_corpus(tmp_path / "in")
     m = prepare(args[:2], str(tmp_path / "out"), tok_path, val_fraction=0.0, chunk_size=CHUNK, max_length=5,
                 num_workers=0, progress=False)
     got = _split_docs(_read_split(tmp_path / "out", m, "train"), tok.eos_id)
-    want = [tok.encode(t, eos=False)[:4] + [tok.eos_id] for k, _, t in docs if k in ("a.jsonl", "b.txt")]
+    want = []
+    for k, _, t in docs:
+        if k in ("a.jsonl", "b.txt"):
+            ids = tok.encode(t, eos=False)
+            if len(ids) + 1 <= 5:
+                want.append(ids + [tok.eos_id])  # short enough: kept whole
+            else:
+                want += [ids[a:a + 4] + [tok.eos_id] for a in range(0, len(ids), 4)]
     assert got == want
-    assert max(len(d) for d in got) == 5
+    assert max(len(d) for d in got) == 5 and any(len(d) < 5 for d in got)
+    # no token is lost: the pieces concatenate back to the documents
+    assert sum(len(d) - 1 for d in got) == sum(len(tok.encode(t, eos=False)) for k, _, t in docs
+                                               if k in ("a.jsonl", "b.txt"))
 
 
 def test_shuffle_permutes_within_split_deterministically(tmp_path, tok_path, tok):

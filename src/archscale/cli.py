@@ -83,7 +83,8 @@ def cmd_prepare(argv: list[str]) -> int:
     p.add_argument("--tokenizer", required=True, help="tokenizer.json, SentencePiece .model, or a folder with one")
     p.add_argument("--val_fraction", type=float, default=0.01, help="fraction of documents for validation")
     p.add_argument("--chunk_size", type=int, default=2049 * 1024, help="tokens per shard file")
-    p.add_argument("--max_length", type=int, default=None, help="truncate documents to this many tokens")
+    p.add_argument("--max_length", type=int, default=None, help="long-context preparation: keep documents of up to N tokens (EOS included) whole, split longer ones "
+                        "into N-token pieces each ending in EOS")
     p.add_argument("--shuffle", action="store_true", help="shuffle document order (seeded)")
     p.add_argument("--num_workers", type=int, default=None, help="tokenizer processes (default: min(4, cores))")
     p.add_argument("--text_key", default="text", help="JSONL field / parquet column holding the text")

@@ -22,7 +22,7 @@ from archscale.data.format import read_header
 from archscale.data.sources import InputFile, file_extension
 from archscale.errors import UserError
 
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2  # 2: --max_length splits long documents instead of truncating them
 SPLITS = ("train", "validation")
 STATE_DIR = ".prepare"
 MANIFEST = "manifest.json"

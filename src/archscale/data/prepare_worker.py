@@ -212,10 +212,15 @@ def _tokenize_file(f: dict, tok: Tokenizer, job: dict, dtype: np.dtype, split_of
         encoded = tok.encode_batch(texts, eos=False) if texts else []
         parts: dict[str, list[list[int]]] = {s: [] for s in SPLITS}
         for idx, ids in zip(idxs, encoded):
+            split = split_of(f["key"], idx)
             if max_length is not None and len(ids) >= max_length:
-                del ids[max_length - 1:]  # room for the EOS: max_length counts it
+                # ProLong-style: a long document becomes pieces of max_length tokens, each closed by an EOS
+                step = max_length - 1
+                for a in range(0, len(ids), step):
+                    parts[split].append(ids[a:a + step] + [tok.eos_id])
+                continue
             ids.append(tok.eos_id)
-            parts[split_of(f["key"], idx)].append(ids)
+            parts[split].append(ids)
         ntok = 0
         for s, docs in parts.items():
             if not docs:
