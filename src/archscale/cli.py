@@ -152,6 +152,18 @@ def cmd_demo(argv: list[str]) -> int:
     return 0
 
 
+@command("eval", "evaluate a checkpoint: ppl, phonebook, niah_single_1/2/3, lm_eval:TASK -> JSON")
+def cmd_eval(argv: list[str]) -> int:
+    from archscale.eval_cli import run_eval
+    return run_eval(argv)
+
+
+@command("report", "plot `archscale eval` results as a grouped summary PNG")
+def cmd_report(argv: list[str]) -> int:
+    from archscale.eval_cli import run_report
+    return run_report(argv)
+
+
 def usage() -> str:
     width = max(len(n) for n in COMMANDS)
     lines = ["usage: archscale <command> [flags]   (archscale <command> --help for its flags)", "", "commands:"]

@@ -1,0 +1,271 @@
+"""`archscale eval`: run the requested tasks on one checkpoint and write one JSON file.
+
+Context limits: `limit` (the longest sequence any task may feed the model) is `--max_length` when given, else
+4x the training length (the seed's extrapolation range), and never more than a hard limit the model declares
+(`model.max_context_length` or `config.max_seq_length`, if present). A task that needs more stops with a
+one-line error before any work. lm-eval tasks read at most `--max_length` tokens (default: the training length),
+keeping the last ones, as lm-eval's own models do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from archscale.errors import UserError
+
+BUILTIN = ("ppl", "phonebook", "niah_single_1", "niah_single_2", "niah_single_3")
+DEFAULT_EXTRAPOLATION_LIMIT = 4
+
+
+def parse_tasks(spec: str) -> tuple[list[str], list[str]]:
+    """"ppl,lm_eval:a,b,phonebook" -> (["ppl", "phonebook"], ["a", "b"]): after "lm_eval:", items that are not
+    built-in task names are lm-eval tasks too."""
+    builtin, lm_tasks = [], []
+    in_lm = False
+    for raw in spec.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        if item.startswith("lm_eval:"):
+            in_lm = True
+            item = item[len("lm_eval:"):].strip()
+            if not item:
+                raise UserError("--tasks: 'lm_eval:' needs a task name, e.g. lm_eval:archscale_mc")
+            lm_tasks.append(item)
+        elif item in BUILTIN:
+            builtin.append(item)
+        elif in_lm:
+            lm_tasks.append(item)
+        else:
+            raise UserError(f"--tasks: unknown task {item!r}; choose from {', '.join(BUILTIN)} or lm_eval:TASK")
+    if not builtin and not lm_tasks:
+        raise UserError("--tasks is empty")
+    return list(dict.fromkeys(builtin)), list(dict.fromkeys(lm_tasks))
+
+
+def hard_context_limit(model) -> int | None:
+    for v in (getattr(model, "max_context_length", None), getattr(getattr(model, "config", None), "max_seq_length", None)):
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+class ModelTextGenerator:
+    """Text in, greedy continuation text out, with a context-length check."""
+
+    def __init__(self, em, batch_size: int, limit: int, limit_why: str):
+        self.em, self.batch_size, self.limit, self.limit_why = em, batch_size, limit, limit_why
+        self._cache: dict[str, list[int]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = self.em.tokenizer.encode(text, eos=False)
+            self._cache[text] = ids
+        return ids
+
+    def check(self, prompts: list[str], max_new_tokens: int, what: str) -> None:
+        longest = max(len(self.encode(p)) for p in prompts)
+        if longest + max_new_tokens > self.limit:
+            raise UserError(f"{what}: a prompt of {longest} tokens + {max_new_tokens} generated is longer than the "
+                            f"{self.limit} tokens allowed ({self.limit_why}); use shorter lengths or raise "
+                            f"--max_length")
+
+    def __call__(self, prompts: list[str], max_new_tokens: int) -> list[str]:
+        from archscale.eval.decode import greedy_batch
+
+        ids = [self.encode(p) for p in prompts]
+        with self.em.autocast():
+            outs = greedy_batch(self.em.model, ids, max_new_tokens, self.em.tokenizer.eos_id, self.batch_size)
+        for p in prompts:
+            self._cache.pop(p, None)
+        return [self.em.tokenizer.decode(o) for o in outs]
+
+
+def default_lm_eval_include() -> list[str]:
+    """The repo's examples/lm_eval_tasks (present in a source checkout)."""
+    p = Path(__file__).resolve().parents[3] / "examples" / "lm_eval_tasks"
+    return [str(p)] if p.is_dir() else []
+
+
+def run_lm_eval(em, tasks: list[str], include: list[str], batch_size: int, max_length: int, limit: float | None,
+                num_fewshot: int | None, seed: int) -> dict:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise UserError("lm_eval tasks need lm-eval: pip install 'archscale[eval]'") from None
+    import logging
+
+    from archscale.eval.lm_eval_model import ArchScaleLM
+
+    for d in include:
+        if not Path(d).is_dir():
+            raise UserError(f"--lm_eval_include {d}: no such folder")
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    tm = TaskManager(include_path=include or None, include_defaults=False)
+    missing = [t for t in tasks if t not in tm.all_tasks]
+    if missing:  # the built-in catalogue takes seconds to index; only when a task is not local
+        tm = TaskManager(include_path=include or None)
+        missing = [t for t in tasks if t not in tm.all_tasks]
+    if missing:
+        raise UserError(f"--tasks: unknown lm-eval task(s) {', '.join(missing)} (looked in lm-eval's catalogue and "
+                        f"{', '.join(include) or 'no --lm_eval_include folder'})")
+    lm = ArchScaleLM(em, batch_size=batch_size, max_length=max_length)
+    try:
+        res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
+                                      log_samples=False, bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
+                                      torch_random_seed=seed, fewshot_random_seed=seed)
+    except (ConnectionError, OSError) as e:
+        raise UserError(f"lm-eval could not load a task's data offline ({str(e).splitlines()[0][:200]}); "
+                        "use local tasks (--lm_eval_include DIR)") from None
+    out = {}
+    for name, metrics in (res or {}).get("results", {}).items():
+        clean = {}
+        for k, v in metrics.items():
+            if k in ("alias", "sample_len") or "_stderr" in k or not isinstance(v, (int, float)):
+                continue
+            clean[k.split(",")[0] if k.endswith(",none") else k] = v
+        out[name] = clean
+    return {"tasks": out, "versions": {k: v for k, v in (res or {}).get("versions", {}).items()},
+            "n_samples": (res or {}).get("n-samples", {}), "max_length": max_length, "limit": limit,
+            "num_fewshot": num_fewshot, "lm_eval_version": getattr(lm_eval, "__version__", None)}
+
+
+def run(args) -> dict:
+    """Evaluate; `args` is the parsed `archscale eval` namespace. Returns the JSON document (also written)."""
+    from archscale.eval.loading import load_eval_model, validation_dir
+
+    builtin, lm_tasks = parse_tasks(args.tasks)
+    out_path = Path(args.output)
+    if out_path.exists() and out_path.is_dir():
+        raise UserError(f"--output {args.output} is a folder; give a .json file path")
+    em = load_eval_model(args.checkpoint, device=args.device, tokenizer=args.tokenizer, precision=args.precision)
+    T = em.train_len
+    hard = hard_context_limit(em.model)
+    if args.max_length is not None:
+        if args.max_length < 2:
+            raise UserError(f"--max_length must be at least 2, got {args.max_length}")
+        limit, why = args.max_length, "--max_length"
+    else:
+        limit, why = DEFAULT_EXTRAPOLATION_LIMIT * T, f"default {DEFAULT_EXTRAPOLATION_LIMIT}x the training length {T}"
+    if hard is not None and limit > hard:
+        if args.max_length is not None:
+            raise UserError(f"--max_length {args.max_length} is longer than the model supports ({hard} tokens)")
+        limit, why = hard, "the model's maximum context"
+    gen = ModelTextGenerator(em, args.batch_size, limit, why)
+    results: dict = {}
+    timings: dict = {}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        print(f"eval: {name} ...", file=sys.stderr, flush=True)
+        results[name] = fn()
+        timings[name] = round(time.perf_counter() - t0, 2)
+
+    # validate every task's settings before running any (a bad flag should not cost the first tasks' time)
+    factors = sorted({int(x) for x in str(args.extrapolation).split(",") if x.strip()}) if "ppl" in builtin else []
+    if "ppl" in builtin:
+        if not factors or factors[0] < 1:
+            raise UserError(f"--extrapolation needs positive integers, got {args.extrapolation!r}")
+        if factors[-1] * T > limit:
+            raise UserError(f"--extrapolation {factors[-1]}x = {factors[-1] * T} tokens is longer than the {limit} "
+                            f"tokens allowed ({why}); raise --max_length")
+        window = args.window or T
+        if args.ppl_file and window > limit:
+            raise UserError(f"--window {window} is longer than the {limit} tokens allowed ({why})")
+        val_dir = validation_dir(em, args.val_data_dir)
+    niah_lengths = [int(x) for x in str(args.max_seq_lengths).split(",") if x.strip()] if args.max_seq_lengths else [T]
+    plans = {}
+    if "phonebook" in builtin:
+        from archscale.eval.phonebook import MAX_NEW_TOKENS, lengths_from, plan_phonebook, prompts_of
+
+        plans["phonebook"] = plan_phonebook(lengths_from(args.min_eval_len, args.max_eval_len, args.eval_len_step),
+                                            args.seed, args.eval_num_batches, args.phonebook_batch_size)
+        gen.check(prompts_of(plans["phonebook"]), MAX_NEW_TOKENS, "phonebook")
+    for task in [t for t in builtin if t.startswith("niah_")]:
+        from archscale.eval.niah import TOKENS_TO_GENERATE, plan_niah
+
+        plans[task] = plan_niah(task, niah_lengths, args.niah_samples, lambda s: len(gen.encode(s)), args.seed,
+                                args.haystack_file)
+        gen.check([s["prompt"] for v in plans[task].values() for s in v], TOKENS_TO_GENERATE, task)
+
+    if "ppl" in builtin:
+        from archscale.eval.ppl import sliding_window_ppl, validation_extrapolation
+
+        def ppl():
+            r = {"validation": validation_extrapolation(em, val_dir, factors, args.batch_size, args.ppl_max_batches),
+                 "val_data_dir": str(val_dir)}
+            if args.ppl_file:
+                stride = args.stride or max(1, window // 2)
+                r["file"] = sliding_window_ppl(em, args.ppl_file, window, stride, args.batch_size)
+            return r
+        timed("ppl", ppl)
+    if "phonebook" in builtin:
+        from archscale.eval.phonebook import evaluate_phonebook
+
+        timed("phonebook", lambda: evaluate_phonebook(gen, [], plan=plans["phonebook"]))
+    for task in [t for t in builtin if t.startswith("niah_")]:
+        from archscale.eval.niah import evaluate_niah
+
+        timed(task, lambda task=task: evaluate_niah(task, gen, [], 0, None, args.seed, args.haystack_file,
+                                                    plan=plans[task]))
+    if lm_tasks:
+        include = list(args.lm_eval_include or []) + default_lm_eval_include()
+        timed("lm_eval", lambda: run_lm_eval(em, lm_tasks, include, args.batch_size, args.max_length or T,
+                                             args.lm_eval_limit, args.num_fewshot, args.seed))
+
+    plan = em.run_cfg.get("plan") or {}
+    doc = {
+        "checkpoint": str(em.step_dir.resolve()) if em.step_dir else None,
+        "run_dir": str(em.run_dir.resolve()) if em.run_dir else None,
+        "run_name": plan.get("run_name") or (em.run_dir.name if em.run_dir else None),
+        "step": em.step,
+        "tokens_trained": plan.get("total_tokens"),
+        "model": em.run_cfg.get("model"),
+        "train_length": T,
+        "tokenizer": getattr(em.tokenizer, "path", None),
+        "context_limit": limit,
+        "settings": {k: v for k, v in vars(args).items()},
+        "results": results,
+        "time_s": timings,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": {"python": platform.python_version(), "device": str(em.device), "precision": em.precision},
+    }
+    if out_path.parent and not out_path.parent.exists():
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    os.replace(tmp, out_path)
+    return doc
+
+
+def summary_lines(doc: dict) -> list[str]:
+    lines = []
+    r = doc["results"]
+    if "ppl" in r:
+        v = r["ppl"]["validation"]
+        lines.append("ppl: " + ", ".join(f"val_loss@{k} {v[k]['loss']:.3f} (ppl {v[k]['ppl']:.1f})"
+                                         for k in v if k.endswith("x")))
+        if "file" in r["ppl"]:
+            f = r["ppl"]["file"]
+            lines.append(f"ppl file: loss {f['loss']:.3f}, ppl {f['ppl']:.1f}, {f['bits_per_byte']:.3f} bits/byte")
+    if "phonebook" in r:
+        lines.append("phonebook: " + ", ".join(f"{n} entries {v['mean']:.2f}±{v['std']:.2f}"
+                                               for n, v in r["phonebook"]["lengths"].items()))
+    for t in ("niah_single_1", "niah_single_2", "niah_single_3"):
+        if t in r:
+            lines.append(f"{t}: " + ", ".join(f"{n} tokens {v['score']:.2f}" for n, v in r[t]["lengths"].items()))
+    if "lm_eval" in r:
+        for t, m in r["lm_eval"]["tasks"].items():
+            lines.append(f"lm_eval {t}: " + ", ".join(f"{k} {v:.4g}" for k, v in m.items()))
+    return lines

@@ -1,0 +1,79 @@
+"""Flags of `archscale eval` and `archscale report` (registered in archscale.cli)."""
+
+from __future__ import annotations
+
+import argparse
+
+from archscale.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit code 2, like every other UserError
+        raise UserError(f"{self.prog}: {message}")
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="archscale eval", description=(
+        "Evaluate a checkpoint. Tasks: ppl (validation loss at 1x..kx the training length, and sliding-window "
+        "perplexity of --ppl_file), phonebook, niah_single_1, niah_single_2, niah_single_3 (RULER), "
+        "lm_eval:TASK[,TASK...] (lm-evaluation-harness). See docs/EVALUATION.md."))
+    p.add_argument("--checkpoint", required=True, help="run dir (latest complete checkpoint) or checkpoints/step-*")
+    p.add_argument("--tasks", required=True, help="comma-separated, e.g. ppl,phonebook,niah_single_1,lm_eval:archscale_mc")
+    p.add_argument("--output", required=True, help="results JSON file")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences per forward pass / decoding batch")
+    p.add_argument("--max_length", type=int, default=None,
+                   help="longest context fed to the model (default: 4x the training length for ppl/phonebook/niah; "
+                        "the training length for lm-eval contexts)")
+    p.add_argument("--tokenizer", default=None, help="override the tokenizer recorded in the run's data manifest")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast")
+    p.add_argument("--seed", type=int, default=42)
+    g = p.add_argument_group("ppl")
+    g.add_argument("--extrapolation", default="1,2,4", help="context multiples of the training length")
+    g.add_argument("--val_data_dir", default=None, help="override the run's validation shards folder")
+    g.add_argument("--ppl_max_batches", type=int, default=None, help="cap on validation batches (default: all)")
+    g.add_argument("--ppl_file", default=None, help="UTF-8 text file for sliding-window perplexity")
+    g.add_argument("--window", type=int, default=None, help="sliding window in tokens (default: training length)")
+    g.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: window // 2)")
+    g = p.add_argument_group("phonebook")
+    g.add_argument("--min_eval_len", type=int, default=10, help="fewest phonebook entries")
+    g.add_argument("--max_eval_len", type=int, default=40, help="most phonebook entries")
+    g.add_argument("--eval_len_step", type=int, default=10, help="entries between swept lengths")
+    g.add_argument("--eval_num_batches", type=int, default=4, help="batches per length, split over 4 measurements")
+    g.add_argument("--phonebook_batch_size", type=int, default=10, help="samples per seeded batch")
+    g = p.add_argument_group("niah")
+    g.add_argument("--max_seq_lengths", default=None, help="comma-separated token lengths (default: training length)")
+    g.add_argument("--niah_samples", type=int, default=100, help="samples per length (RULER: 500)")
+    g.add_argument("--haystack_file", default=None, help="essay haystack text (default: Milton's Areopagitica)")
+    g = p.add_argument_group("lm_eval")
+    g.add_argument("--lm_eval_include", action="append", default=None, help="folder of local task YAMLs (repeatable)")
+    g.add_argument("--lm_eval_limit", type=float, default=None, help="examples per task (or a fraction if < 1)")
+    g.add_argument("--num_fewshot", type=int, default=None)
+    return p
+
+
+def run_eval(argv: list[str]) -> int:
+    from archscale.eval.runner import run, summary_lines
+
+    args = eval_parser().parse_args(argv)
+    for name in ("batch_size", "niah_samples", "eval_num_batches", "phonebook_batch_size"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    doc = run(args)
+    for line in summary_lines(doc):
+        print(line)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def run_report(argv: list[str]) -> int:
+    from archscale.eval.report import draw_report
+
+    p = _Parser(prog="archscale report", description="Grouped summary plot of `archscale eval` results "
+                                                     "(standard / long-context / extrapolation).")
+    p.add_argument("results", nargs="+", help="results JSON files (one series each)")
+    p.add_argument("--out", required=True, help="output PNG")
+    a = p.parse_args(argv)
+    draw_report(a.results, a.out)
+    print(f"wrote {a.out}")
+    return 0
