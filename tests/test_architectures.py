@@ -201,3 +201,22 @@ def test_a_few_steps_lower_the_loss(arch):
     assert losses[-1] < losses[0] - 0.5, losses
     # every parameter took part (no dead branch in a layout)
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("scheme", ["sp", "mup"])
+def test_init_stds_describe_the_hybrid_init(scheme):
+    """`init_stds()` (shown by --dry_run) matches the weights GPT.reset_parameters draws, role by role."""
+    torch.manual_seed(6)
+    cfg = ModelConfig.from_arch("sambay", 8, ar=64, vocab_size=97, init_scheme=scheme)
+    model = GPT(cfg)
+    stds = cfg.init_stds()
+    where = {"attn.qkv": "blocks.1.mixer.attn", "attn.proj": "blocks.1.mixer.proj", "attn.q_proj":
+             "blocks.7.mixer.q_proj", "mamba.in_proj": "blocks.0.mixer.in_proj", "mamba.x_proj":
+             "blocks.0.mixer.x_proj", "mamba.out_proj": "blocks.0.mixer.out_proj", "mamba.dt_proj":
+             "blocks.0.mixer.dt_proj", "gmu.in_proj": "blocks.6.mixer.in_proj", "gmu.out_proj":
+             "blocks.6.mixer.out_proj", "mlp.w1": "blocks.2.mlp.w1", "mlp.w3": "blocks.2.mlp.w3"}
+    assert set(where) <= set(stds)
+    modules = dict(model.named_modules())
+    for role, name in where.items():
+        got = modules[name].weight.std().item()
+        assert got == pytest.approx(stds[role], rel=0.1), (role, got, stds[role])

@@ -216,16 +216,27 @@ class ModelConfig:
         mup linears are U(+-w/sqrt(fan_in)) (PyTorch's kaiming-uniform, a=sqrt(5)), so std = w/sqrt(3 fan_in).
         """
         d, hd, L = self.n_embd, self.head_size, self.n_layer
+        kinds = set(self.layer_kinds)
+        d_inner = self.mamba_expand * d
+        # (role, fan_in, writes into the residual stream) for every Linear role this architecture has
+        roles = [("attn.qkv", d, False), ("attn.proj", self.n_head * hd, True), ("mlp.w1", d, False),
+                 ("mlp.w3", self.intermediate_size, True)]
+        if "cross" in kinds:
+            roles.append(("attn.q_proj", d, False))
+        if kinds & {"mamba", "mamba_mem"}:
+            roles += [("mamba.in_proj", d, False), ("mamba.x_proj", d_inner, False),
+                      ("mamba.out_proj", d_inner, True)]
+        if "gmu" in kinds:
+            roles += [("gmu.in_proj", d, False), ("gmu.out_proj", d_inner, True)]
         if self.init_scheme == "mup":
-            def lin(fan_in: int) -> float:
-                return self.w_init_mult / math.sqrt(3 * fan_in)
-            out = {"attn.qkv": lin(d), "attn.proj": lin(self.n_head * hd), "mlp.w1": lin(d),
-                   "mlp.w3": lin(self.intermediate_size)}
+            out = {r: self.w_init_mult / math.sqrt(3 * fan_in) for r, fan_in, _ in roles}
             head = 0.0
         else:
             gpt2 = self.init_std / math.sqrt(2 * L)
-            out = {"attn.qkv": self.init_std, "attn.proj": gpt2, "mlp.w1": self.init_std, "mlp.w3": gpt2}
+            out = {r: gpt2 if residual else self.init_std for r, _, residual in roles}
             head = self.init_std
+        if kinds & {"mamba", "mamba_mem"}:  # Mamba's dt_proj keeps its own init: U(+-dt_rank^-0.5)
+            out["mamba.dt_proj"] = 1.0 / math.sqrt(3 * math.ceil(d / 16))
         wte = self.init_std if self.tie_embeddings else self.embed_init_std
         return {"wte": wte, "lm_head": wte if self.tie_embeddings else head, **out}
 
