@@ -12,15 +12,17 @@ Everything is computed in fp32; ``y`` comes back in ``u``'s dtype, the last stat
 Implementations (``impl=``):
 
 - ``"ref"``: a plain loop over time with differentiable torch ops; the oracle the others are tested against.
-- ``"chunked"``: the CPU default. A custom ``autograd.Function`` that walks the sequence in chunks of
-  ``CHUNK`` steps. Per chunk it materialises the decays ``exp(dt*A)`` and the states for that chunk only
-  (``(chunk, b, d, n)``, time-major so each step is one contiguous in-place ``addcmul``), reads ``y`` out with a
-  batched matmul against ``C`` and keeps just the state entering the chunk. The backward pass recomputes a
-  chunk's states from that saved state and runs the adjoint recurrence backwards through it. Only decays
-  ``exp(dt*A) <= 1`` and their products are ever formed, never ``exp(-cumsum)``, so a strong decay
-  (``dt*A`` of -100 per step) underflows harmlessly to 0 instead of overflowing. Memory: O(b*d*n*chunk) for
-  the workspace plus O(b*d*n*L/chunk) saved states, instead of the O(b*d*n*L) an autograd graph of the loop
-  (or a parallel scan) keeps alive.
+- ``"chunked"``: the CPU default. A custom ``autograd.Function`` over time-major tensors. The sequence is
+  processed ``BLOCK`` steps at a time (only that block's ``(steps, b, d, n)`` decays and states exist at once;
+  just the state entering each block is saved, and backward recomputes the block). Inside a block a two-level
+  scan runs: level 1 scans all ``CHUNK``-step chunks at once from a zero state (one in-place ``addcmul`` per
+  step, over every chunk), level 2 walks the chunk ends, and one pass adds each chunk's true starting state,
+  decayed by ``exp(A * cumsum(dt))``. Backward runs the adjoint recurrence the same way in reverse and forms
+  all gradients with batched matmuls. Only decays ``exp(dt*A) <= 1`` and products of them appear, never
+  ``exp(-cumsum(dt*A))``, so strong decay (``dt*A`` of -250 per step) underflows harmlessly to 0. ``CHUNK ==
+  BLOCK`` is a plain sequential pass (least memory traffic: ~6x less work than mambapy's parallel scan), but
+  one tiny op per step; smaller chunks trade ~1.5x more traffic for ~4x fewer ops, which is what keeps it fast
+  on 2 shared cores, where every parallel op waits for a busy neighbour (numbers in docs/BENCHMARKS.md).
 - ``"cuda"``: ``mamba_ssm.ops.selective_scan_interface.selective_scan_fn`` (needs the ``mamba-ssm`` package
   and CUDA tensors; it has no initial state, so a call with ``initial_state`` falls back to ``"chunked"``).
 - ``"auto"`` (default): ``"cuda"`` when mamba-ssm imports and ``u`` is on CUDA, else ``"chunked"``.
@@ -40,7 +42,8 @@ from torch import Tensor
 
 SCAN_IMPLS = ("auto", "ref", "chunked", "cuda")
 ENV_VAR = "ARCHSCALE_SCAN_IMPL"
-CHUNK = 64  # steps per chunk of the chunked path (see benchmarks/mamba_throughput.py and docs/BENCHMARKS.md)
+CHUNK = 8     # chunked path: steps per chunk (level-1 scan length; tuned in docs/BENCHMARKS.md)
+BLOCK = 64    # chunked path: steps whose (steps, b, d, n) workspace is materialised at once
 
 _MAMBA_SSM: dict[str, object] = {}
 
@@ -173,81 +176,116 @@ def _scan_chunked(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h0: Te
         return _scan_ref(u, dt, A, B, C, h0)
     if h0 is None:
         h0 = u.new_zeros(b, d, n)
-    # time-major: one time step is a contiguous (b, d, n) block in the chunk workspace
-    u_t, dt_t = u.permute(2, 0, 1).contiguous(), dt.permute(2, 0, 1).contiguous()     # (L, b, d)
-    B_t, C_t = B.permute(2, 0, 1).contiguous(), C.permute(2, 0, 1).contiguous()       # (L, b, n)
-    y_t, last = _ChunkedScan.apply(u_t, dt_t, A.contiguous(), B_t, C_t, h0.contiguous())
-    return y_t.permute(1, 2, 0), last
+    chunk = max(1, min(CHUNK, L))
+    block = max(chunk, BLOCK // chunk * chunk)
+    pad = -L % chunk
+    # time-major: one time step is a contiguous (b, d, n) block of the workspace
+    u_t, dt_t = u.permute(2, 0, 1), dt.permute(2, 0, 1)                               # (L, b, d)
+    B_t, C_t = B.permute(2, 0, 1), C.permute(2, 0, 1)                                 # (L, b, n)
+    if pad:  # dt = 0 steps: decay 1, input 0, so the state just carries through; their y is dropped
+        u_t, dt_t, B_t, C_t = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (u_t, dt_t, B_t, C_t))
+    y_t, last = _ChunkedScan.apply(u_t.contiguous(), dt_t.contiguous(), A.contiguous(), B_t.contiguous(),
+                                   C_t.contiguous(), h0.contiguous(), chunk, block)
+    return y_t[:L].permute(1, 2, 0), last
 
 
-def _chunk_states(dt: Tensor, dtu: Tensor, A: Tensor, B: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-    """States of one chunk. dt, dtu: (q, b, d); B: (q, b, n); h: state before the chunk (b, d, n).
+def _block_states(dt: Tensor, dtu: Tensor, A: Tensor, B: Tensor, h: Tensor, chunk: int):
+    """All states of one block, by a two-level scan. dt, dtu: (T, b, d) with T % chunk == 0; B: (T, b, n);
+    h: the state before the block (b, d, n).
 
-    Returns (H, decay), both (q, b, d, n): H[t] = decay[t] * H[t-1] + dtu[t] B[t], H[-1] := h.
+    Returns (H, decay, cum): H[t] = decay[t] * H[t-1] + dtu[t] B[t] (H[-1] := h), decay = exp(dt*A), both
+    (T, b, d, n); cum (T/chunk, chunk, b, d) = within-chunk inclusive cumsum of dt.
+
+    Level 1 runs the recurrence inside every chunk at once from a zero state (`chunk` steps, each one op over
+    all chunks); level 2 walks the chunk ends (T/chunk steps) to get the true state entering each chunk; a last
+    pass adds that state, decayed by exp(A * cumsum(dt)) <= 1, to every position of its chunk.
     """
-    decay = torch.mul(dt.unsqueeze(-1), A).exp_()               # exp(dt*A) in (0, 1]: no overflow possible
+    T, b, d = dt.shape
+    n = A.shape[1]
+    nc = T // chunk
+    decay = torch.mul(dt.unsqueeze(-1), A).exp_()               # exp(dt*A) in (0, 1]: nothing can overflow
     H = dtu.unsqueeze(-1) * B.unsqueeze(2)
-    H[0].addcmul_(decay[0], h)
-    for t in range(1, H.shape[0]):
-        H[t].addcmul_(decay[t], H[t - 1])
-    return H, decay
+    if nc == 1:  # one chunk: a plain sequential pass from h (less memory traffic, one op per step)
+        H[0].addcmul_(decay[0], h)
+        for t in range(1, T):
+            H[t].addcmul_(decay[t], H[t - 1])
+        return H, decay, None
+    Hc, Dc = H.view(nc, chunk, b, d, n), decay.view(nc, chunk, b, d, n)
+    for s in range(1, chunk):
+        Hc[:, s].addcmul_(Dc[:, s], Hc[:, s - 1])
+    cum = dt.view(nc, chunk, b, d).cumsum(1)
+    P = torch.mul(cum.unsqueeze(-1), A).exp_()                  # decay from the chunk start through step s
+    starts = [h]
+    for c in range(nc - 1):
+        starts.append(torch.addcmul(Hc[c, -1], P[c, -1], starts[-1]))
+    Hc.addcmul_(P, torch.stack(starts).unsqueeze(1))
+    return H, decay, cum
 
 
 class _ChunkedScan(torch.autograd.Function):
-    """y (L, b, d), last (b, d, n) from u, dt (L, b, d), A (d, n), B, C (L, b, n), h0 (b, d, n); all fp32."""
+    """y (T, b, d), last (b, d, n) from u, dt (T, b, d), A (d, n), B, C (T, b, n), h0 (b, d, n); all fp32.
+
+    T is a multiple of `chunk`; the sequence is processed `block` steps at a time so the (block, b, d, n)
+    workspace bounds memory; only the state entering each block is saved for backward, which recomputes.
+    """
 
     @staticmethod
-    def forward(ctx, u, dt, A, B, C, h0):
-        L, b, d = u.shape
+    def forward(ctx, u, dt, A, B, C, h0, chunk, block):
+        T, b, d = u.shape
         n = A.shape[1]
-        chunk = max(1, CHUNK)
-        y = u.new_empty(L, b, d)
+        y = u.new_empty(T, b, d)
         dtu = dt * u
         h = h0
         starts = []
-        for s in range(0, L, chunk):
-            e = min(s + chunk, L)
-            q = e - s
+        for s in range(0, T, block):
+            e = min(s + block, T)
             starts.append(h)
-            H, _ = _chunk_states(dt[s:e], dtu[s:e], A, B[s:e], h)
+            H, _, _ = _block_states(dt[s:e], dtu[s:e], A, B[s:e], h, chunk)
             # y[t, b, d] = sum_n H[t, b, d, n] C[t, b, n]
-            y[s:e] = torch.bmm(H.view(q * b, d, n), C[s:e].reshape(q * b, n, 1)).view(q, b, d)
+            y[s:e] = torch.bmm(H.view(-1, d, n), C[s:e].reshape(-1, n, 1)).view(e - s, b, d)
             h = H[-1].clone()
         ctx.save_for_backward(u, dt, A, B, C, torch.stack(starts))
-        ctx.chunk = chunk
+        ctx.chunk, ctx.block = chunk, block
         return y, h
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy, glast):
         u, dt, A, B, C, starts = ctx.saved_tensors
-        chunk = ctx.chunk
-        L, b, d = u.shape
+        chunk, block = ctx.chunk, ctx.block
+        T, b, d = u.shape
         n = A.shape[1]
         with torch.autocast(device_type=u.device.type, enabled=False):
-            gy = gy.contiguous() if gy is not None else u.new_zeros(L, b, d)
-            carry = glast.contiguous() if glast is not None else u.new_zeros(b, d, n)  # dLoss/dH[end of chunk]
+            gy = gy.contiguous() if gy is not None else u.new_zeros(T, b, d)
+            carry = glast.contiguous() if glast is not None else u.new_zeros(b, d, n)  # dLoss/d(state at block end)
             dtu = dt * u
             gu, gdt = torch.empty_like(u), torch.empty_like(dt)
             gB, gC = torch.empty_like(B), torch.empty_like(C)
             gA = torch.zeros_like(A)
-            n_chunks = starts.shape[0]
-            for c in range(n_chunks - 1, -1, -1):
-                s = c * chunk
-                e = min(s + chunk, L)
-                q = e - s
-                h_start = starts[c]
-                H, decay = _chunk_states(dt[s:e], dtu[s:e], A, B[s:e], h_start)
-                Hf = H.view(q * b, d, n)
+            for k in range(starts.shape[0] - 1, -1, -1):
+                s = k * block
+                e = min(s + block, T)
+                q, nc = e - s, (e - s) // chunk
+                h_start = starts[k]
+                H, decay, cum = _block_states(dt[s:e], dtu[s:e], A, B[s:e], h_start, chunk)
                 gyc = gy[s:e]
                 # dC[t, b, n] = sum_d gy[t, b, d] H[t, b, d, n]
-                gC[s:e] = torch.bmm(gyc.reshape(q * b, 1, d), Hf).view(q, b, n)
-                # adjoint recurrence: G[t] = gy[t] C[t] + decay[t+1] G[t+1];  G[q-1] also gets the carry
+                gC[s:e] = torch.bmm(gyc.reshape(q * b, 1, d), H.view(q * b, d, n)).view(q, b, n)
+                # adjoint recurrence G[t] = gy[t] C[t] + decay[t+1] G[t+1] (G[q-1] also gets the carry), two-level
                 G = gyc.unsqueeze(-1) * C[s:e].unsqueeze(2)             # (q, b, d, n)
-                G[-1].add_(carry)
-                for t in range(q - 2, -1, -1):
-                    G[t].addcmul_(decay[t + 1], G[t + 1])
-                carry = decay[0] * G[0]                                  # dLoss/d(state entering this chunk)
+                if nc == 1:
+                    G[-1].add_(carry)
+                Gc, Dc = G.view(nc, chunk, b, d, n), decay.view(nc, chunk, b, d, n)
+                for t in range(chunk - 2, -1, -1):                     # level 1: inside chunks (zero carry-in)
+                    Gc[:, t].addcmul_(Dc[:, t + 1], Gc[:, t + 1])
+                if nc > 1:
+                    # R[c, t] = prod_{r=t+1}^{chunk-1} decay[c, r] = exp(A * (cum[c, -1] - cum[c, t])) <= 1
+                    R = torch.mul((cum[:, -1:] - cum).unsqueeze(-1), A).exp_()
+                    g_in = [carry]                                       # level 2: dLoss/d(state at chunk end)
+                    for c in range(nc - 1, 0, -1):
+                        g_in.append(Dc[c, 0] * torch.addcmul(Gc[c, 0], R[c, 0], g_in[-1]))
+                    Gc.addcmul_(R, torch.stack(g_in[::-1]).unsqueeze(1))
+                carry = decay[0] * G[0]                                  # dLoss/d(state entering this block)
                 # dLoss/d(dt*A)[t] = G[t] * decay[t] * H[t-1]  (computed in place in `decay`)
                 decay[1:].mul_(H[:-1])
                 decay[0].mul_(h_start)
@@ -260,4 +298,4 @@ class _ChunkedScan(torch.autograd.Function):
                 gB[s:e] = torch.bmm(dtu[s:e].reshape(q * b, 1, d), Gf).view(q, b, n)
                 gu[s:e] = gxb * dt[s:e]
                 gdt[s:e] = gdt_c.addcmul_(gxb, u[s:e])
-        return gu, gdt, gA, gB, gC, carry
+        return gu, gdt, gA, gB, gC, carry, None, None
