@@ -67,7 +67,7 @@ def cuda_scan_available() -> bool:
     return torch.cuda.is_available() and _mamba_ssm("selective_scan_fn") is not None
 
 
-def _resolve_impl(impl: str, u: Tensor, initial_state: Tensor | None) -> str:
+def _resolve_impl(impl: str, u: Tensor, initial_state: Tensor | None, reset: Tensor | None = None) -> str:
     if impl not in SCAN_IMPLS:
         raise ValueError(f"selective_scan: unknown impl {impl!r}; choose one of {', '.join(SCAN_IMPLS)}")
     if impl == "auto":
@@ -83,16 +83,22 @@ def _resolve_impl(impl: str, u: Tensor, initial_state: Tensor | None) -> str:
         if not u.is_cuda or _mamba_ssm("selective_scan_fn") is None:
             raise ValueError("selective_scan: impl='cuda' needs the mamba-ssm package and CUDA tensors "
                              "(use impl='chunked' or 'auto')")
-        if initial_state is not None:
-            impl = "chunked"  # mamba-ssm's kernel cannot start from a given state
+        if initial_state is not None or reset is not None:
+            impl = "chunked"  # mamba-ssm's kernel cannot start from a given state nor reset at documents
     return impl
 
 
 def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
                    z: Tensor | None = None, delta_bias: Tensor | None = None, delta_softplus: bool = True,
-                   initial_state: Tensor | None = None, return_last_state: bool = False, impl: str = "auto"):
-    """The Mamba-1 selective scan (see the module docstring). Returns y, or (y, last_state) if asked."""
-    impl = _resolve_impl(impl, u, initial_state)
+                   initial_state: Tensor | None = None, return_last_state: bool = False, impl: str = "auto",
+                   reset: Tensor | None = None):
+    """The Mamba-1 selective scan (see the module docstring). Returns y, or (y, last_state) if asked.
+
+    `reset` (batch, L) bool marks the first token of each new document in a packed sequence (variable-length
+    training): the state is zeroed before that token, so nothing flows across documents. Exact in every path
+    (the decays into a reset step are set to 0, not approximated); mamba-ssm's kernel has no such input, so a
+    call with `reset` runs the chunked path, on CUDA too."""
+    impl = _resolve_impl(impl, u, initial_state, reset)
     if impl == "cuda":
         fn = _mamba_ssm("selective_scan_fn")
         out = fn(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
@@ -112,9 +118,9 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
         A, B, C = A.float(), B.float(), C.float()
         h0 = None if initial_state is None else initial_state.float()
         if impl == "ref":
-            y, last = _scan_ref(uf, dt, A, B, C, h0)
+            y, last = _scan_ref(uf, dt, A, B, C, h0, reset)
         else:
-            y, last = _scan_chunked(uf, dt, A, B, C, h0)
+            y, last = _scan_chunked(uf, dt, A, B, C, h0, reset)
         if D is not None:
             y = y + D.float().unsqueeze(-1) * uf
         if z is not None:
@@ -153,13 +159,17 @@ def selective_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: T
 # --------------------------------------------------------------------------------------------------------------
 # Reference: one step at a time, exactly the recurrence. Differentiable through autograd.
 
-def _scan_ref(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h0: Tensor | None):
-    """u, dt: (b, d, L); A: (d, n); B, C: (b, n, L); h0: (b, d, n) or None. Returns y (b, d, L), h (b, d, n)."""
+def _scan_ref(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h0: Tensor | None,
+              reset: Tensor | None = None):
+    """u, dt: (b, d, L); A: (d, n); B, C: (b, n, L); h0: (b, d, n) or None; reset (b, L) bool or None.
+    Returns y (b, d, L), h (b, d, n)."""
     b, d, L = u.shape
     h = h0 if h0 is not None else u.new_zeros(b, d, A.shape[1])
     ys = []
     for t in range(L):
         decay = torch.exp(dt[:, :, t, None] * A)                            # (b, d, n)
+        if reset is not None:
+            decay = decay * (~reset[:, t]).to(decay.dtype)[:, None, None]   # a new document starts from 0
         h = decay * h + (dt[:, :, t] * u[:, :, t])[:, :, None] * B[:, None, :, t]
         ys.append((h * C[:, None, :, t]).sum(-1))
     y = torch.stack(ys, dim=-1) if ys else u.new_zeros(b, d, 0)
@@ -169,7 +179,8 @@ def _scan_ref(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h0: Tensor
 # --------------------------------------------------------------------------------------------------------------
 # Chunked: custom autograd.Function over time-major tensors.
 
-def _scan_chunked(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h0: Tensor | None):
+def _scan_chunked(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h0: Tensor | None,
+                  reset: Tensor | None = None):
     b, d, L = u.shape
     n = A.shape[1]
     if L == 0:
@@ -182,19 +193,26 @@ def _scan_chunked(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h0: Te
     # time-major: one time step is a contiguous (b, d, n) block of the workspace
     u_t, dt_t = u.permute(2, 0, 1), dt.permute(2, 0, 1)                               # (L, b, d)
     B_t, C_t = B.permute(2, 0, 1), C.permute(2, 0, 1)                                 # (L, b, n)
+    keep = None if reset is None else (~reset).to(u.dtype).t()                        # (L, b): 0 at resets
     if pad:  # dt = 0 steps: decay 1, input 0, so the state just carries through; their y is dropped
         u_t, dt_t, B_t, C_t = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (u_t, dt_t, B_t, C_t))
+        if keep is not None:
+            keep = F.pad(keep, (0, 0, 0, pad), value=1.0)
     y_t, last = _ChunkedScan.apply(u_t.contiguous(), dt_t.contiguous(), A.contiguous(), B_t.contiguous(),
-                                   C_t.contiguous(), h0.contiguous(), chunk, block)
+                                   C_t.contiguous(), h0.contiguous(), chunk, block,
+                                   None if keep is None else keep.contiguous())
     return y_t[:L].permute(1, 2, 0), last
 
 
-def _block_states(dt: Tensor, dtu: Tensor, A: Tensor, B: Tensor, h: Tensor, chunk: int):
+def _block_states(dt: Tensor, dtu: Tensor, A: Tensor, B: Tensor, h: Tensor, chunk: int,
+                  keep: Tensor | None = None):
     """All states of one block, by a two-level scan. dt, dtu: (T, b, d) with T % chunk == 0; B: (T, b, n);
-    h: the state before the block (b, d, n).
+    h: the state before the block (b, d, n); keep (T, b): 0 where a document starts (decay forced to 0), or None.
 
-    Returns (H, decay, cum): H[t] = decay[t] * H[t-1] + dtu[t] B[t] (H[-1] := h), decay = exp(dt*A), both
-    (T, b, d, n); cum (T/chunk, chunk, b, d) = within-chunk inclusive cumsum of dt.
+    Returns (H, decay, cum, resets): H[t] = decay[t] * H[t-1] + dtu[t] B[t] (H[-1] := h), decay = exp(dt*A)
+    (x keep), both (T, b, d, n); cum (T/chunk, chunk, b, d) = within-chunk inclusive cumsum of dt; resets
+    (T/chunk, chunk, b) = within-chunk inclusive count of document starts (None without `keep`): a product of
+    decays over a span is exp(A * sum dt) when the span holds no start, and exactly 0 when it does.
 
     Level 1 runs the recurrence inside every chunk at once from a zero state (`chunk` steps, each one op over
     all chunks); level 2 walks the chunk ends (T/chunk steps) to get the true state entering each chunk; a last
@@ -204,22 +222,28 @@ def _block_states(dt: Tensor, dtu: Tensor, A: Tensor, B: Tensor, h: Tensor, chun
     n = A.shape[1]
     nc = T // chunk
     decay = torch.mul(dt.unsqueeze(-1), A).exp_()               # exp(dt*A) in (0, 1]: nothing can overflow
+    if keep is not None:
+        decay.mul_(keep[:, :, None, None])
     H = dtu.unsqueeze(-1) * B.unsqueeze(2)
     if nc == 1:  # one chunk: a plain sequential pass from h (less memory traffic, one op per step)
         H[0].addcmul_(decay[0], h)
         for t in range(1, T):
             H[t].addcmul_(decay[t], H[t - 1])
-        return H, decay, None
+        return H, decay, None, None
     Hc, Dc = H.view(nc, chunk, b, d, n), decay.view(nc, chunk, b, d, n)
     for s in range(1, chunk):
         Hc[:, s].addcmul_(Dc[:, s], Hc[:, s - 1])
     cum = dt.view(nc, chunk, b, d).cumsum(1)
     P = torch.mul(cum.unsqueeze(-1), A).exp_()                  # decay from the chunk start through step s
+    resets = None
+    if keep is not None:
+        resets = (1.0 - keep).view(nc, chunk, b).cumsum(1)
+        P.mul_((resets == 0).to(P.dtype)[..., None, None])      # a document start in between: no carry
     starts = [h]
     for c in range(nc - 1):
         starts.append(torch.addcmul(Hc[c, -1], P[c, -1], starts[-1]))
     Hc.addcmul_(P, torch.stack(starts).unsqueeze(1))
-    return H, decay, cum
+    return H, decay, cum, resets
 
 
 class _ChunkedScan(torch.autograd.Function):
@@ -230,7 +254,7 @@ class _ChunkedScan(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, u, dt, A, B, C, h0, chunk, block):
+    def forward(ctx, u, dt, A, B, C, h0, chunk, block, keep):
         T, b, d = u.shape
         n = A.shape[1]
         y = u.new_empty(T, b, d)
@@ -240,19 +264,20 @@ class _ChunkedScan(torch.autograd.Function):
         for s in range(0, T, block):
             e = min(s + block, T)
             starts.append(h)
-            H, _, _ = _block_states(dt[s:e], dtu[s:e], A, B[s:e], h, chunk)
+            H, _, _, _ = _block_states(dt[s:e], dtu[s:e], A, B[s:e], h, chunk,
+                                       None if keep is None else keep[s:e])
             # y[t, b, d] = sum_n H[t, b, d, n] C[t, b, n]
             y[s:e] = torch.bmm(H.view(-1, d, n), C[s:e].reshape(-1, n, 1)).view(e - s, b, d)
             h = H[-1].clone()
         ctx.save_for_backward(u, dt, A, B, C, torch.stack(starts))
-        ctx.chunk, ctx.block = chunk, block
+        ctx.chunk, ctx.block, ctx.keep = chunk, block, keep
         return y, h
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy, glast):
         u, dt, A, B, C, starts = ctx.saved_tensors
-        chunk, block = ctx.chunk, ctx.block
+        chunk, block, keep = ctx.chunk, ctx.block, ctx.keep
         T, b, d = u.shape
         n = A.shape[1]
         with torch.autocast(device_type=u.device.type, enabled=False):
@@ -267,7 +292,8 @@ class _ChunkedScan(torch.autograd.Function):
                 e = min(s + block, T)
                 q, nc = e - s, (e - s) // chunk
                 h_start = starts[k]
-                H, decay, cum = _block_states(dt[s:e], dtu[s:e], A, B[s:e], h_start, chunk)
+                H, decay, cum, resets = _block_states(dt[s:e], dtu[s:e], A, B[s:e], h_start, chunk,
+                                                      None if keep is None else keep[s:e])
                 gyc = gy[s:e]
                 # dC[t, b, n] = sum_d gy[t, b, d] H[t, b, d, n]
                 gC[s:e] = torch.bmm(gyc.reshape(q * b, 1, d), H.view(q * b, d, n)).view(q, b, n)
@@ -281,6 +307,8 @@ class _ChunkedScan(torch.autograd.Function):
                 if nc > 1:
                     # R[c, t] = prod_{r=t+1}^{chunk-1} decay[c, r] = exp(A * (cum[c, -1] - cum[c, t])) <= 1
                     R = torch.mul((cum[:, -1:] - cum).unsqueeze(-1), A).exp_()
+                    if resets is not None:                               # a start in (t, chunk-1]: R = 0
+                        R.mul_((resets[:, -1:] == resets).to(R.dtype)[..., None, None])
                     g_in = [carry]                                       # level 2: dLoss/d(state at chunk end)
                     for c in range(nc - 1, 0, -1):
                         g_in.append(Dc[c, 0] * torch.addcmul(Gc[c, 0], R[c, 0], g_in[-1]))
@@ -298,4 +326,4 @@ class _ChunkedScan(torch.autograd.Function):
                 gB[s:e] = torch.bmm(dtu[s:e].reshape(q * b, 1, d), Gf).view(q, b, n)
                 gu[s:e] = gxb * dt[s:e]
                 gdt[s:e] = gdt_c.addcmul_(gxb, u[s:e])
-        return gu, gdt, gA, gB, gC, carry, None, None
+        return gu, gdt, gA, gB, gC, carry, None, None, None

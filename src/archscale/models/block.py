@@ -30,7 +30,7 @@ class MambaMixer(Mamba):
         state = None
         if ctx.cache is not None:
             state = ctx.cache.layer(self.layer_idx, lambda: MambaState.empty(x.shape[0], self, x.device, x.dtype))
-        out, memory = super().forward(x, state)
+        out, memory = super().forward(x, state, doc_ids=ctx.doc_ids)
         if memory is not None:
             ctx.memory = memory
         return out

@@ -80,12 +80,25 @@ class Mamba(nn.Module):
         self.A_log.copy_(torch.log(A).expand(self.d_inner, -1))
         nn.init.ones_(self.D)
 
-    def forward(self, x: Tensor, state: MambaState | None = None) -> tuple[Tensor, Tensor | None]:
-        """x (B, T, d_model) -> (out (B, T, d_model), memory (B, T, d_inner) if gmu_save else None)."""
+    def forward(self, x: Tensor, state: MambaState | None = None,
+                doc_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """x (B, T, d_model) -> (out (B, T, d_model), memory (B, T, d_inner) if gmu_save else None).
+
+        `doc_ids` (B, T): document index per token of a packed sequence (variable-length training); the conv
+        window and the SSM state restart at every document, so no information crosses a boundary."""
         T = x.shape[1]
+        if doc_ids is not None and state is not None:
+            raise ValueError("doc_ids is for training-style forwards, not for decoding with a state")
         xz = self.in_proj(x).transpose(1, 2)                                  # (B, 2*d_inner, T)
         xs, z = xz.chunk(2, dim=1)
-        xs = F.silu(self._conv(xs, state))                                    # (B, d_inner, T)
+        reset = None
+        if doc_ids is not None:
+            xs = self._doc_conv(xs, doc_ids)
+            reset = torch.zeros_like(doc_ids, dtype=torch.bool)
+            reset[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        else:
+            xs = self._conv(xs, state)
+        xs = F.silu(xs)                                                       # (B, d_inner, T)
         dt, Bm, Cm = torch.split(self.x_proj(xs.transpose(1, 2)), [self.dt_rank, self.d_state, self.d_state],
                                  dim=-1)
         dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)                # (B, d_inner, T); bias: in the scan
@@ -99,7 +112,7 @@ class Mamba(nn.Module):
             y = selective_scan(xs, dt, A, Bm.transpose(1, 2), Cm.transpose(1, 2), D=self.D.float(), z=gate,
                                delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
                                initial_state=None if state is None else state.ssm,
-                               return_last_state=state is not None, impl=self.scan_impl)
+                               return_last_state=state is not None, impl=self.scan_impl, reset=reset)
             if state is not None:
                 y, state.ssm = y
         y = y.transpose(1, 2)                                                 # (B, T, d_inner)
@@ -109,6 +122,20 @@ class Mamba(nn.Module):
         else:
             memory = None
         return self.out_proj(y), memory
+
+    def _doc_conv(self, xs: Tensor, doc_ids: Tensor) -> Tensor:
+        """The causal depthwise conv with taps that reach into an earlier document zeroed."""
+        K, T = self.d_conv, xs.shape[-1]
+        w = self.conv1d.weight[:, 0].to(xs.dtype)                             # (d_inner, K); tap K-1 = now
+        xp = F.pad(xs, (K - 1, 0))
+        dp = F.pad(doc_ids, (K - 1, 0), value=-1)
+        out = xs * w[:, K - 1, None]
+        for k in range(1, K):                                                  # the input k steps back
+            same = (dp[:, K - 1 - k:K - 1 - k + T] == doc_ids).to(xs.dtype).unsqueeze(1)
+            out = out + xp[..., K - 1 - k:K - 1 - k + T] * same * w[:, K - 1 - k, None]
+        if self.conv1d.bias is not None:
+            out = out + self.conv1d.bias.to(xs.dtype)[:, None]
+        return out
 
     def _conv(self, xs: Tensor, state: MambaState | None) -> Tensor:
         """Causal depthwise conv over (B, d_inner, T); with a state, prepend its inputs and store the new tail."""
