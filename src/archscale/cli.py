@@ -164,6 +164,24 @@ def cmd_report(argv: list[str]) -> int:
     return run_report(argv)
 
 
+@command("sweep", "run a study file: a grid/list of pretrain runs with status, resume, --dry_run, --emit slurm")
+def cmd_sweep(argv: list[str]) -> int:
+    from archscale.studies.cli import sweep_main
+    return sweep_main(argv)
+
+
+@command("analyze", "tabulate a study dir (params, tokens, FLOPs, val_loss; best LR/batch) -> CSV, Markdown, PNG")
+def cmd_analyze(argv: list[str]) -> int:
+    from archscale.studies.cli import analyze_main
+    return analyze_main(argv)
+
+
+@command("fit", "fit L = A*X^-b + C (FLOPs/tokens/params) with bootstrap CIs, plot and extrapolate")
+def cmd_fit(argv: list[str]) -> int:
+    from archscale.studies.cli import fit_main
+    return fit_main(argv)
+
+
 def usage() -> str:
     width = max(len(n) for n in COMMANDS)
     lines = ["usage: archscale <command> [flags]   (archscale <command> --help for its flags)", "", "commands:"]
