@@ -139,6 +139,18 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+@command("export", "consolidate any checkpoint (DCP shards or DeepSpeed ZeRO) into one safetensors file")
+def cmd_export(argv: list[str]) -> int:
+    from archscale.export.consolidate import consolidate
+
+    p = argparse.ArgumentParser(prog="archscale export")
+    p.add_argument("--checkpoint", required=True, help="run dir (uses its latest checkpoint) or checkpoints/step-*")
+    p.add_argument("--out", required=True, help="output .safetensors file (fp32 weights + model config metadata)")
+    a = p.parse_args(argv)
+    print(f"wrote {consolidate(a.checkpoint, a.out)}")
+    return 0
+
+
 @command("demo", "fetch a public-domain corpus, train a tokenizer and a small model on CPU, evaluate, plot")
 def cmd_demo(argv: list[str]) -> int:
     from archscale.demo import run_demo

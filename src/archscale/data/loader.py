@@ -279,8 +279,9 @@ class _Stream:
         self._buf_files, self._buf_blocks = files, blocks
         self._open = {}  # memmaps of the previous buffer are released
 
-    def next_block(self, out: np.ndarray) -> None:
-        """Copy the next block into `out` (int64, length block_size) and advance."""
+    def next_block(self, out: np.ndarray | None) -> None:
+        """Copy the next block into `out` (int64, length block_size) and advance; `out=None` only advances
+        (nothing is read: skipping another rank's samples costs index arithmetic only)."""
         while True:
             self._load_buffer()
             if self.pos < len(self._buf_files):
@@ -294,6 +295,8 @@ class _Stream:
         fid = int(self._buf_files[self.pos])
         k = int(self._buf_blocks[self.pos])
         self.pos += 1
+        if out is None:
+            return
         mm = self._open.get(fid)
         if mm is None:
             mm = self._open[fid] = shard_format.open_shard(self.source.paths[fid])
@@ -360,18 +363,26 @@ class PackedLoader:
         return self
 
     def __next__(self) -> torch.Tensor:
+        return torch.from_numpy(self._step(read=True))
+
+    def skip(self, n: int = 1) -> None:
+        """Advance past `n` batches exactly as `n` calls of `next()` would, without reading any data."""
+        for _ in range(n):
+            self._step(read=False)
+
+    def _step(self, read: bool) -> np.ndarray | None:
         w = self.next_worker
         if len(self.sources) > 1:
             u = self._mix_rng.random(self.micro_bsz)
             picks = np.minimum(np.searchsorted(self._cdf, u, side="right"), len(self.sources) - 1).tolist()
         else:
             picks = [0] * self.micro_bsz
-        batch = np.empty((self.micro_bsz, self.block_size), dtype=np.int64)
+        batch = np.empty((self.micro_bsz, self.block_size), dtype=np.int64) if read else None
         for i, src in enumerate(picks):
-            self._streams[src][w].next_block(batch[i])
+            self._streams[src][w].next_block(batch[i] if read else None)
         self.next_worker = (w + 1) % self.num_workers
         self.batches += 1
-        return torch.from_numpy(batch)
+        return batch
 
     # -- state
     def fingerprint(self) -> dict:
@@ -428,6 +439,55 @@ class PackedLoader:
         self._mix_rng.bit_generator.state = bg_state
         self.next_worker = next_worker
         self.batches = int(sd.get("batches", 0))
+
+
+class GlobalOrderLoader:
+    """Rank `rank`'s share of ONE sample order that does not depend on the number of ranks.
+
+    The global order is that of a single-process `PackedLoader` (world_size=1; logical workers, shuffling and
+    mixture as described above): global micro-batch 0, 1, 2, ... Rank r of W takes the micro-batches j with
+    j % W == r. Each `next()` consumes a group of W global micro-batches: it skips the r before its own and the
+    W-1-r after it without reading them (`PackedLoader.skip`). Hence:
+
+    * an optimizer step of `accum` micro-batches per rank covers global micro-batches [s*A, (s+1)*A) with
+      A = accum * W, the same samples whatever W is (the trainer keeps A = micro-batches per global batch fixed);
+    * after n calls every rank sits at global position n*W, so `state_dict()` is identical on all ranks and is
+      exactly the single-process state; it can be loaded with any world size that divides the position (at an
+      optimizer-step boundary: any W that divides A). That is the cross-world-size resume mapping (2 -> 1 -> 2).
+
+    Prefer this for training; `PackedLoader(rank=, world_size=)` (disjoint files per rank) stays available for
+    readers that want each rank to open only its own files, at the price of an order tied to the world size.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, prefixes: str | Mapping[str, float] = "train", *,
+                 block_size: int, micro_bsz: int, seed: int = 3407, rank: int = 0, world_size: int = 1,
+                 num_workers: int = 1, shuffle: bool = True, buffer_chunks: int = 8):
+        self.world_size = _positive_int("world_size", world_size)
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+            raise UserError(f"rank must be in [0, {self.world_size}), got {rank!r}")
+        self.rank = int(rank)
+        self.inner = PackedLoader(data_dir, prefixes, block_size=block_size, micro_bsz=micro_bsz, seed=seed,
+                                  num_workers=num_workers, shuffle=shuffle, buffer_chunks=buffer_chunks)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        self.inner.skip(self.rank)
+        batch = next(self.inner)
+        self.inner.skip(self.world_size - 1 - self.rank)
+        return batch
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()  # the global position: the same on every rank, for any world size
+
+    def load_state_dict(self, sd: Mapping) -> None:
+        batches = int(sd.get("batches", 0)) if isinstance(sd, Mapping) else 0
+        if batches % self.world_size:
+            raise UserError(f"the saved data position ({batches} global micro-batches) is not a multiple of the "
+                            f"new world size {self.world_size}; resume with a world size that divides the number "
+                            f"of micro-batches per optimizer step")
+        self.inner.load_state_dict(sd)
 
 
 _HINTS = {"block_size": " (--ctx_len)", "micro_bsz": " (--micro_bsz)", "world_size": " (number of ranks)",

@@ -34,9 +34,12 @@ class PretrainConfig:
     rope_base: float = 10000.0
     schedule: str = "linear"  # linear | cosine | wsd
     label_smoothing: float = 0.0
-    precision: str = "bf16-mixed"  # fp32 | bf16-mixed
-    strategy: str = "auto"  # auto | single (distributed strategies come with the scale-out work)
-    compile: bool = False
+    precision: str = "bf16-mixed"  # fp32 | bf16-mixed | fp16-mixed (dynamic loss scaling; for GPUs)
+    strategy: str = "auto"  # auto (single for one process, fsdp otherwise) | single | ddp | fsdp | deepspeed
+    zero_stage: int = 2  # --strategy deepspeed: ZeRO stage 0..3
+    offload: str = "none"  # --strategy deepspeed: none | optimizer | params (params needs ZeRO 3)
+    act_ckpt: bool = False  # activation checkpointing per block
+    compile: bool = False  # torch.compile per block (after checkpointing, before sharding)
     seed: int = 3407
     eval_interval: int = 1000  # optimizer steps between validations (plus one at the end)
     eval_iters: int = 20  # validation batches per evaluation
@@ -44,7 +47,7 @@ class PretrainConfig:
     save_interval: int = 1000  # optimizer steps between checkpoints (plus one at the end)
     keep_last: int = 3  # checkpoints to keep (0 = all)
     num_workers: int = 1  # logical loader streams per rank
-    fsdp_save_mem: bool = False  # accepted for seed compatibility; needs the scale-out work
+    fsdp_save_mem: bool = False  # seed's long-context flag: --act_ckpt + FSDP2 CPU offload, no compile
     max_steps: Optional[int] = None  # stop after this many optimizer steps (debugging); the schedule is unchanged
     progress: bool = True  # console progress bar
     dry_run: bool = False  # print the fully resolved plan as JSON and exit (no data needed with --vocab_size)
@@ -111,15 +114,25 @@ def validate(cfg: PretrainConfig) -> None:
         (cfg.ctx_len >= 1, f"--ctx_len must be >= 1 (got {cfg.ctx_len})"),
         (cfg.micro_bsz >= 1, f"--micro_bsz must be >= 1 (got {cfg.micro_bsz})"),
         (cfg.max_tokens is None or cfg.max_tokens > 0, f"--max_tokens must be positive (got {cfg.max_tokens})"),
-        (cfg.precision in ("fp32", "bf16-mixed"), f"--precision must be fp32 or bf16-mixed (got {cfg.precision!r})"),
+        (cfg.precision in ("fp32", "bf16-mixed", "fp16-mixed"),
+         f"--precision must be fp32 or bf16-mixed, or fp16-mixed on GPUs (got {cfg.precision!r})"),
         (cfg.schedule in ("linear", "cosine", "wsd"), f"--schedule must be linear, cosine or wsd (got {cfg.schedule!r})"),
-        (cfg.strategy in ("auto", "single"),
-         f"--strategy {cfg.strategy!r} is not available yet; use auto or single (one process)"),
+        (cfg.strategy in ("auto", "single", "ddp", "fsdp", "deepspeed"),
+         f"--strategy {cfg.strategy!r} is unknown; choose auto, single, ddp, fsdp or deepspeed"),
+        (cfg.zero_stage in (0, 1, 2, 3), f"--zero_stage must be 0, 1, 2 or 3 (got {cfg.zero_stage})"),
+        (cfg.offload in ("none", "optimizer", "params"),
+         f"--offload must be none, optimizer or params (got {cfg.offload!r})"),
+        (cfg.offload == "none" or cfg.strategy == "deepspeed",
+         "--offload is a DeepSpeed option (add --strategy deepspeed); FSDP2's CPU offload is --fsdp_save_mem"),
+        (cfg.offload != "params" or cfg.zero_stage == 3, "--offload params needs --zero_stage 3"),
+        (cfg.offload == "none" or cfg.zero_stage > 0, "--offload needs --zero_stage 1, 2 or 3"),
+        (not (cfg.fsdp_save_mem and cfg.strategy in ("ddp", "deepspeed")),
+         f"--fsdp_save_mem offloads FSDP2 shards to the CPU; it does not combine with --strategy {cfg.strategy} "
+         "(use --act_ckpt there)"),
         (cfg.parametrization in PARAMETRIZATIONS,
          f"--parametrization {cfg.parametrization!r} is unknown; choose sp, mup (original mu-P) or mup++"),
         (cfg.ar is None or (cfg.ar >= 2 and cfg.ar % 2 == 0),
          f"--ar must be an even number >= 2 (got {cfg.ar}): head_size = ar must be even for RoPE"),
-        (not cfg.fsdp_save_mem, "--fsdp_save_mem needs the distributed work (FSDP2); drop the flag for now"),
         (cfg.eval_interval >= 1 and cfg.log_interval >= 1 and cfg.save_interval >= 1,
          "--eval_interval, --log_interval and --save_interval must be >= 1"),
         (cfg.keep_last >= 0, "--keep_last must be >= 0"),

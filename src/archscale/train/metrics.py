@@ -22,22 +22,23 @@ GPU_PEAK_BF16 = {
 class MetricsCSV:
     """Append rows to `metrics.csv`; on resume, drop rows past the resumed step so nothing is duplicated."""
 
-    def __init__(self, path: Path, resume_step: int | None = None):
+    def __init__(self, path: Path, resume_step: int | None = None, extra: tuple[str, ...] = ()):
         self.path = Path(path)
+        self.columns = COLUMNS + [c for c in extra if c not in COLUMNS]  # e.g. loss_scale under fp16
         rows = []
         if resume_step is not None and self.path.is_file():
             with open(self.path, newline="") as f:
                 rows = [r for r in csv.DictReader(f) if r.get("step") and int(r["step"]) <= resume_step]
         with open(self.path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            w = csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
 
     def write(self, **row) -> None:
-        unknown = set(row) - set(COLUMNS)
+        unknown = set(row) - set(self.columns)
         assert not unknown, unknown
         with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, fieldnames=COLUMNS).writerow({k: _fmt(row.get(k)) for k in COLUMNS})
+            csv.DictWriter(f, fieldnames=self.columns).writerow({k: _fmt(row.get(k)) for k in self.columns})
 
 
 def _fmt(v):

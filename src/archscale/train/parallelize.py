@@ -1,0 +1,83 @@
+"""model -> parallelize -> trainer (torchtitan's split): memory savers, compile and data-parallel wrapping.
+
+Order, per torchtitan's `parallelize_llama`: activation checkpointing (per block) -> torch.compile (per block,
+after checkpointing so the compiled graph is the checkpointed one) -> sharding (FSDP2 `fully_shard` per block,
+then the root) or DDP. DeepSpeed wraps the model itself (deepspeed_engine.py) after the first two steps.
+
+All three edits keep parameter names (FQNs) unchanged: checkpointing swaps a block's `forward` on the instance,
+compile uses `nn.Module.compile()` (in place), and FSDP2 swaps the class, not the module tree. So checkpoints
+written under any strategy load under any other.
+
+GPU notes (not exercised on CPU CI): NCCL is the backend (distributed.py); `--precision bf16-mixed` adds
+FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` (bf16 all-gathers and compute, fp32
+gradient reduction and fp32 sharded master weights) on top of autocast; flash-attn is picked by the model's
+attention module when installed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from archscale.train.distributed import DistEnv
+
+
+def apply_act_ckpt(model: nn.Module) -> None:
+    """Recompute each block's activations in the backward pass (keeps only block inputs alive)."""
+    for block in model.blocks:
+        if getattr(block, "_act_ckpt", False):
+            continue
+        inner = block.forward  # the bound original forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward  # instance attribute: nn.Module.__call__ (and FSDP's hooks) wrap it
+        block._act_ckpt = True
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile each block in place (FQNs unchanged); the rest of the model stays eager."""
+    for block in model.blocks:
+        block.compile()
+
+
+def apply_fsdp(model: nn.Module, bf16: bool, cpu_offload: bool) -> None:
+    """FSDP2: every block is its own unit (all-gathered just before use, resharded after), then the root
+    (embedding, final norm, head)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
+
+
+def parallelize(model: nn.Module, env: DistEnv, *, act_ckpt: bool = False, compile: bool = False,
+                bf16: bool = False, cpu_offload: bool = False) -> nn.Module:
+    """Apply the memory savers and the strategy's wrapping; returns the module to call (DDP wraps, FSDP2 and
+    the rest work in place). DeepSpeed's engine is built afterwards by the trainer."""
+    if act_ckpt:
+        apply_act_ckpt(model)
+    if compile:
+        apply_compile(model)
+    if env.strategy == "fsdp":
+        apply_fsdp(model, bf16=bf16, cpu_offload=cpu_offload)
+    elif env.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The GPT inside a DDP wrapper or a DeepSpeed engine (FSDP2 modules are the model itself)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
