@@ -32,6 +32,9 @@ class PretrainConfig:
     ar: Optional[int] = None  # aspect ratio override: width = ar * depth, heads = depth, so head_size = ar
     tie_embeddings: bool = False
     rope_base: float = 10000.0
+    rope_scaling: str = "none"  # none | linear:F (position interpolation by F, e.g. linear:2 to double the context)
+    varlen: bool = False  # variable-length training: attention and Mamba state stay inside EOS-separated documents
+    reset_position_ids: bool = False  # with --varlen: RoPE positions restart at every document (seed: not reset)
     schedule: str = "linear"  # linear | cosine | wsd
     label_smoothing: float = 0.0
     precision: str = "bf16-mixed"  # fp32 | bf16-mixed | fp16-mixed (dynamic loss scaling; for GPUs)
@@ -50,6 +53,9 @@ class PretrainConfig:
     fsdp_save_mem: bool = False  # seed's long-context flag: --act_ckpt + FSDP2 CPU offload, no compile
     max_steps: Optional[int] = None  # stop after this many optimizer steps (debugging); the schedule is unchanged
     progress: bool = True  # console progress bar
+    logger: str = "csv"  # csv,tensorboard,wandb (comma-separated); W&B is offline without WANDB_API_KEY
+    monitor_interval: float = 0.0  # seconds between system samples (CPU %, RAM, per-GPU util/mem/temp); 0 = off
+    wandb_project: str = "archscale"
     dry_run: bool = False  # print the fully resolved plan as JSON and exit (no data needed with --vocab_size)
 
 
@@ -98,9 +104,6 @@ def apply_train_name(cfg: PretrainConfig, explicit: set[str]) -> tuple[dict[str,
     settings, unknown = parse_train_name(cfg.train_name)
     applied = {}
     for fld, value in settings.items():
-        if fld == "varlen":
-            raise UserError("--train_name contains 'varlen': variable-length training is not implemented yet "
-                            "(long-context work); remove the token")
         if fld in explicit:
             continue
         setattr(cfg, fld, value)
@@ -138,7 +141,27 @@ def validate(cfg: PretrainConfig) -> None:
         (cfg.keep_last >= 0, "--keep_last must be >= 0"),
         (0.0 <= cfg.label_smoothing < 1.0, "--label_smoothing must be in [0, 1)"),
         (cfg.resume in ("auto", "none") or bool(cfg.resume), "--resume must be auto, none or a checkpoint path"),
+        (not cfg.reset_position_ids or cfg.varlen or parse_train_name(cfg.train_name)[0].get("varlen", False),
+         "--reset_position_ids needs --varlen (documents come from EOS)"),
+        (cfg.monitor_interval >= 0, "--monitor_interval must be >= 0 seconds"),
     ]
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
+    rope_scaling_factor(cfg.rope_scaling)
+    from archscale.train.loggers import parse_logger_names
+    parse_logger_names(cfg.logger)
+
+
+def rope_scaling_factor(spec: str) -> float:
+    """`--rope_scaling none|linear:F` -> F (1.0 for none)."""
+    if spec in ("none", "", None):
+        return 1.0
+    kind, _, value = str(spec).partition(":")
+    try:
+        factor = float(value)
+    except ValueError:
+        factor = 0.0
+    if kind != "linear" or factor < 1.0:
+        raise UserError(f"--rope_scaling {spec!r}: use none or linear:F with F >= 1 (e.g. linear:2)")
+    return factor

@@ -30,12 +30,14 @@ from archscale.errors import UserError
 from archscale.models.model import GPT
 from archscale.scaling_rules import default_tokens, resolve_batch_and_lr, resolve_parametrization
 from archscale.train import checkpoint as ckpt
-from archscale.train.config import PretrainConfig, apply_train_name, validate
+from archscale.train.config import PretrainConfig, apply_train_name, rope_scaling_factor, validate
 from archscale.train.deepspeed_engine import build_engine, ds_config, to_universal
 from archscale.train.deepspeed_engine import loss_scale as ds_loss_scale
 from archscale.train.distributed import DistEnv
 from archscale.train.distributed import setup as setup_distributed
-from archscale.train.metrics import MetricsCSV, Progress, peak_flops
+from archscale.models.varlen import document_ids, document_positions
+from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
+from archscale.train.metrics import Progress, peak_flops
 from archscale.train.optim import GroupRule, build_adamw, param_groups, set_lr
 from archscale.train.parallelize import parallelize, unwrap
 from archscale.train.schedule import lr_at
@@ -89,7 +91,8 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
                         f"{vocab}; the model cannot embed those token ids (drop --vocab_size or raise it)")
     hps = cfg.base_hps
     sizes = ModelConfig.from_arch(cfg.train_model, cfg.depth, ar=cfg.ar, vocab_size=int(vocab),
-                                  block_size=cfg.ctx_len, rope_base=cfg.rope_base, tie_embeddings=tie)
+                                  block_size=cfg.ctx_len, rope_base=cfg.rope_base, tie_embeddings=tie,
+                                  rope_scaling=rope_scaling_factor(cfg.rope_scaling))
     rules = resolve_parametrization(cfg.parametrization, hps, cfg.depth, sizes.n_layer, sizes.head_size, tie=tie)
     model_cfg = sizes.replace(**rules.model_overrides())
     batch, accum, lr = resolve_batch_and_lr(hps, cfg.micro_bsz, cfg.ctx_len, world_size)
@@ -160,8 +163,20 @@ def resolved_yaml(cfg: PretrainConfig, plan: Plan, model_cfg: ModelConfig) -> st
                            "model": model_cfg.to_dict()}, sort_keys=False)
 
 
+def make_forward(cfg: PretrainConfig, eos_id: Optional[int]) -> Callable:
+    """model, inputs -> logits; with --varlen the documents (from EOS) mask attention and reset Mamba states."""
+    if not cfg.varlen:
+        return lambda model, x: model(x)
+
+    def forward(model, x):
+        docs = document_ids(x, eos_id)
+        return model(x, doc_ids=docs, position_ids=document_positions(docs) if cfg.reset_position_ids else None)
+    return forward
+
+
 def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device, autocast,
-             env: Optional[DistEnv] = None, pad: int = 0, pad_batch: Optional[torch.Tensor] = None) -> float:
+             env: Optional[DistEnv] = None, pad: int = 0, pad_batch: Optional[torch.Tensor] = None,
+             forward: Callable = lambda model, x: model(x)) -> float:
     """Mean token loss over all ranks' `batches`. `pad` extra forwards (results discarded) keep every rank at
     the same number of forwards, which sharded models (FSDP2, ZeRO-3) need: their forward is collective."""
     model.eval()
@@ -169,7 +184,7 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.
     with torch.no_grad(), autocast():
         for i, batch in enumerate(batches + [pad_batch] * pad):
             batch = batch.to(device)
-            logits = model(batch[:, :-1])
+            logits = forward(model, batch[:, :-1])
             if i >= len(batches):
                 continue
             loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
@@ -304,6 +319,11 @@ def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[
     loader = GlobalOrderLoader(cfg.train_data_dir, mixture, block_size=block, micro_bsz=cfg.micro_bsz,
                                seed=cfg.seed, rank=env.rank, world_size=env.world_size,
                                num_workers=cfg.num_workers)
+    eos_id = (read_manifest(cfg.train_data_dir) or {}).get("eos_id")
+    if cfg.varlen and eos_id is None:
+        raise UserError(f"--varlen: {cfg.train_data_dir}/manifest.json has no eos_id to find document boundaries "
+                        "(prepare the data with `archscale prepare`)")
+    forward = make_forward(cfg, eos_id)
     val_batches, val_pad, val_filler = [], 0, None
     if cfg.eval_iters > 0:
         everything = list(validation_batches(val_dir, "validation", block_size=block,
@@ -339,8 +359,18 @@ def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[
         log(f"resumed from {resume_from} at step {step} ({tokens:,} tokens)"
             + (f"; world size {saved_world} -> {env.world_size}" if saved_world != env.world_size else ""))
     extra_cols = ("loss_scale",) if fp16 else ()
-    metrics = MetricsCSV(out_dir / "metrics.csv", resume_step=step if resume_from is not None else None,
-                         extra=extra_cols) if env.is_main else None
+    wb_config, wb_tags = seed_wandb_config(cfg)
+    metrics = Loggers(out_dir, cfg.logger, resume_step=step if resume_from is not None else None, extra=extra_cols,
+                      config={**wb_config, "plan": dataclasses.asdict(plan)}, run_name=plan.run_name,
+                      project=cfg.wandb_project, tags=wb_tags) if env.is_main else None
+    monitor = (SystemMonitor(metrics, cfg.monitor_interval, console=log).start()
+               if metrics is not None and cfg.monitor_interval > 0 else None)
+
+    def close_loggers() -> None:
+        if monitor is not None:
+            monitor.stop()
+        if metrics is not None:
+            metrics.close()
 
     peak, peak_src = peak_flops(device, torch.bfloat16 if bf16 else torch.float32)
     log(f"run {out_dir}: {model_cfg.name}, {plan.non_embedding_params / 1e6:.2f}M non-embedding params, "
@@ -360,7 +390,7 @@ def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[
                                     rank=env.rank, barrier=env.barrier, engine=engine)
 
     def validate_now() -> float:
-        return evaluate(model, val_batches, device, autocast, env, val_pad, val_filler)
+        return evaluate(model, val_batches, device, autocast, env, val_pad, val_filler, forward=forward)
 
     if resume_from is None and cfg.eval_iters > 0:  # sanity pass at start: the curve's first point is the init loss
         val_loss = validate_now()
@@ -385,7 +415,7 @@ def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[
                 sync = model.no_sync() if env.strategy == "ddp" and micro < accum - 1 else nullcontext()
                 with sync:
                     with autocast():
-                        logits = model(batch[:, :-1])
+                        logits = forward(model, batch[:, :-1])
                     loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(),
                                            label_smoothing=cfg.label_smoothing)
                     if use_ds:
@@ -433,6 +463,7 @@ def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[
                                mfu=tok_s * plan.flops_per_token / (peak * env.world_size))
                     if fp16:
                         row["loss_scale"] = scale
+                    row.update({f"lr_{g.get('name', i)}": lr * g.get("lr_mult", 1.0) for i, g in enumerate(groups)})
                     metrics.write(**row)
                 progress.update(step, train_loss, tok_s, val_loss, force=True)
                 window_time, window_tokens = 0.0, 0
@@ -447,10 +478,12 @@ def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[
             if stop_requested:
                 signum = stop.signum or signal.SIGTERM
                 log(f"{signal.Signals(signum).name}: saved checkpoint at step {step}; resume with --resume auto")
+                close_loggers()
                 env.close()
                 sys.exit(128 + signum)
     if last_saved != step:
         save(step)
+    close_loggers()
     log(f"done: step {step}, {tokens:,} tokens" + (f", val_loss {val_loss:.4f}" if val_loss is not None else "")
         + f". Run dir: {out_dir}")
     return out_dir
