@@ -7,7 +7,8 @@ absolute positions, with grouped K/V heads.
 - SDPA on non-overlapping query blocks of W against their 2W keys when a window is much shorter than the
   sequence (sliding-window training on CPU costs O(T*W), not O(T^2));
 - SDPA with an explicit boolean mask otherwise (cached decoding, chunked prefill), and for variable-length
-  (document-masked) training, where the mask is also block-diagonal over documents (`q_docs`, `k_docs`).
+  (document-masked) training, where the mask is also block-diagonal over documents (`q_docs`, `k_docs`); past
+  `DENSE_DOC_MASK_MAX` positions, one causal call per document instead (no T x T mask at long context).
 `ARCHSCALE_ATTN_IMPL=flash|sdpa` forces a path (flash falls back to sdpa where it cannot run).
 """
 
@@ -73,6 +74,24 @@ def _blocked_window(q, k, v, scale, window):
     return out[:, :, :T]
 
 
+# Above this many positions, document-masked attention runs document by document (O(T) memory, causal kernels)
+# instead of materialising a (B, T, T) boolean mask (1 GiB at 32K).
+DENSE_DOC_MASK_MAX = 4096
+
+
+def _per_document(q, k, v, scale, docs, window):
+    """Block-diagonal causal attention as one causal (or windowed) call per document of each row."""
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    for b in range(q.shape[0]):
+        _, counts = torch.unique_consecutive(docs[b], return_counts=True)
+        s = 0
+        for n in counts.tolist():
+            out[b:b + 1, :, s:s + n] = attend(q[b:b + 1, :, s:s + n], k[b:b + 1, :, s:s + n],
+                                              v[b:b + 1, :, s:s + n], scale=scale, window=window)
+            s += n
+    return out
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_pos0: int = 0, k_pos0: int = 0,
            window: int = 0, q_docs: torch.Tensor | None = None, k_docs: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, Tq, d), k (B, G, Tk, d), v (B, G, Tk, dv) -> (B, H, Tq, dv). Queries sit at absolute positions
@@ -83,6 +102,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q
     if q_pos0 + Tq != k_pos0 + Tk:
         raise ValueError(f"keys must end where queries end (q {q_pos0}+{Tq}, k {k_pos0}+{Tk})")
     if q_docs is not None:
+        if Tq == Tk and Tq > DENSE_DOC_MASK_MAX:
+            return _per_document(q, k, v, scale, q_docs, window)
         mask = attention_mask(Tq, Tk, q_pos0, k_pos0, window, q.device)
         mask = mask & (q_docs[:, :, None] == k_docs[:, None, :])  # (B, Tq, Tk): block-diagonal causal
         return _sdpa(q, k, v, scale, mask=mask.unsqueeze(1))
