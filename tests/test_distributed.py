@@ -200,8 +200,9 @@ def test_activation_checkpointing_gives_the_same_gradients():
     from archscale.models.model import GPT
     from archscale.train.parallelize import apply_act_ckpt
 
-    for arch in ARCHS:
-        cfg = ModelConfig.from_arch(arch, 2, vocab_size=128, block_size=32)
+    # + the YOCO families: their GMU / cross layers read tensors that earlier checkpointed blocks produced
+    for arch, depth in [(a, 2) for a in ARCHS] + [("sambay", 4), ("sambayoco", 4)]:
+        cfg = ModelConfig.from_arch(arch, depth, ar=32, vocab_size=128, block_size=32)
         torch.manual_seed(0)
         plain = GPT(cfg)
         ckpt = GPT(cfg)
