@@ -81,7 +81,7 @@ def _check_args(val_fraction, chunk_size, max_length, num_workers, text_key, see
         raise UserError(f"--seed must be an integer, got {seed!r}")
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -187,7 +187,7 @@ def prepare(
 
     settings = {
         "prepare_version": PREPARE_VERSION,
-        "tokenizer_sha256": _sha256(tok.path),
+        "tokenizer_sha256": file_sha256(tok.path),
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
         "bos_id": tok.bos_id,

@@ -7,7 +7,6 @@ tokenizer is the one recorded in the training data's `manifest.json` (written by
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 import yaml
 
 from archscale.config import ModelConfig
+from archscale.data.prepare import file_sha256
 from archscale.errors import UserError
 
 
@@ -72,14 +72,6 @@ def find_run_path(run_dir: Path | None, value: str | None) -> Path | None:
     return None
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def resolve_tokenizer(run_dir: Path | None, run_cfg: dict, override: str | None):
     from archscale.data.loader import read_manifest
     from archscale.data.tokenizer import Tokenizer
@@ -95,7 +87,7 @@ def resolve_tokenizer(run_dir: Path | None, run_cfg: dict, override: str | None)
     if override:
         tok = Tokenizer(override)
         want = (manifest or {}).get("tokenizer_sha256")
-        if want and _sha256(tok.path) != want:
+        if want and file_sha256(tok.path) != want:
             print(f"warning: --tokenizer {override} differs from the one the training data was made with "
                   f"({manifest.get('tokenizer')})", file=sys.stderr)
         return tok
