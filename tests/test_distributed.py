@@ -120,8 +120,6 @@ def test_strategies_match_single_process(data, reference, tmp_path, arch):
     runs = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"],
             "fsdp_save_mem": ["--strategy", "fsdp", "--fsdp_save_mem"]}
     runs.update({f"zero{z}": ["--strategy", "deepspeed", "--zero_stage", str(z)] for z in (0, 1, 2, 3)})
-    if arch != "transformer":  # the hybrid: the two engines' most different paths are enough
-        runs = {k: runs[k] for k in ("fsdp", "zero3")}
     plan = [base_args(data, tmp_path / name, arch, "--resume", "none", *short, *extra) for name, extra in runs.items()]
     torchrun(*driver(tmp_path, plan))
     for name in runs:
