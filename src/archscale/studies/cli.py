@@ -10,8 +10,8 @@ from archscale.errors import UserError
 
 
 def sweep_main(argv: list[str]) -> int:
-    from archscale.studies.sweep import (dry_run_plans, emit_scripts, load_study, parse_assignments, plan_table,
-                                         read_status, run_study, summary_lines)
+    from archscale.studies.plans import dry_run_plans, emit_scripts, plan_table
+    from archscale.studies.sweep import load_study, parse_assignments, read_status, run_study, summary_lines
 
     p = argparse.ArgumentParser(prog="archscale sweep", description=(
         "Run every pretraining run of a study file (base flags + grid/list of overrides), one after another or "
