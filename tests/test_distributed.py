@@ -154,17 +154,21 @@ def test_strategies_match_single_process(data, reference, tmp_path, arch):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategies", [("fsdp", "single", "ddp"), ("deepspeed", "deepspeed", "deepspeed")])
 def test_resume_with_another_world_size(data, reference, tmp_path, strategies):
-    """2 processes -> stop at step 2 -> 1 process to step 4 -> 2 processes to the end == uninterrupted."""
+    """2 processes, "killed" while saving step 3 -> 1 process from step 2 to step 4 -> 2 processes to the end ==
+    uninterrupted. The kill is simulated deterministically by what it leaves on disk: metrics rows up to step 3,
+    a complete step-2 checkpoint and a step-3 checkpoint without its COMPLETE marker."""
     ref = reference
     run = tmp_path / "run"
     a, b, c = ([ "--strategy", s] + (["--zero_stage", "2"] if s == "deepspeed" else []) for s in strategies)
-    torchrun("pretrain.py", *base_args(data, run, "transformer", "--resume", "none", "--max_steps", "2", *a))
+    torchrun("pretrain.py", *base_args(data, run, "transformer", "--resume", "none", "--max_steps", "3",
+                                       "--save_interval", "2", *a))
+    (run / "checkpoints" / "step-00000003" / "COMPLETE").unlink()
     out = subprocess.run([sys.executable, "pretrain.py", *base_args(data, run, "transformer", "--max_steps", "4",
                                                                     *b)],
                          cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=TIMEOUT)
     text = out.stdout.decode(errors="replace")
     assert out.returncode == 0, text[-4000:]
-    assert "world size 2 -> 1" in text
+    assert "world size 2 -> 1" in text and "at step 2" in text
     torchrun("pretrain.py", *base_args(data, run, "transformer", *c))
     assert [s for s, _ in losses(run)] == list(range(1, 7))
     assert_same(run, ref)
