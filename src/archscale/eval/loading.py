@@ -161,3 +161,14 @@ def validation_dir(em: EvalModel, override: str | None = None) -> Path:
     if p is None or not p.is_dir():
         raise UserError(f"the run's validation data dir {recorded} does not exist here; pass --val_data_dir DIR")
     return p
+
+
+def read_user_text(path: str | Path, flag: str) -> str:
+    """The UTF-8 text of a file the user named with `flag`, or a one-line UserError saying what is wrong."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{flag} {path}: no such file")
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{flag} {path}: cannot read it as UTF-8 text ({e})") from None

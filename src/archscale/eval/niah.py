@@ -34,6 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from archscale.errors import UserError
+from archscale.eval.loading import read_user_text
 
 TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
             "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
@@ -83,12 +84,7 @@ DEFAULT_ESSAY = DATA_DIR / "areopagitica.txt"
 @lru_cache(maxsize=4)
 def essay_words(path: str | None = None) -> tuple[str, ...]:
     p = Path(path) if path else DEFAULT_ESSAY
-    if not p.is_file():
-        raise UserError(f"--haystack_file {p}: no such file")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--haystack_file {p}: cannot read it as UTF-8 text ({e})") from None
+    text = read_user_text(p, "--haystack_file")
     words = tuple(re.sub(r"\s+", " ", text).strip().split(" "))
     if len(words) < 50:
         raise UserError(f"--haystack_file {p}: too little text for a haystack ({len(words)} words)")

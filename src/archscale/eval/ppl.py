@@ -14,12 +14,12 @@ separated by EOS in training), which is context only, never scored.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from archscale.errors import UserError
+from archscale.eval.loading import read_user_text
 
 
 def _token_losses(model, x: torch.Tensor, y: torch.Tensor, autocast) -> torch.Tensor:
@@ -86,13 +86,7 @@ def sliding_window_windows(n_tokens: int, window: int, stride: int) -> list[tupl
 
 
 def sliding_window_ppl(em, text_file: str, window: int, stride: int, batch_size: int = 4) -> dict:
-    path = Path(text_file)
-    if not path.is_file():
-        raise UserError(f"--ppl_file {text_file}: no such file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--ppl_file {text_file}: cannot read it as UTF-8 text ({e})") from None
+    text = read_user_text(text_file, "--ppl_file")
     ids = [em.tokenizer.eos_id] + em.tokenizer.encode(text, eos=False)
     if len(ids) < 2:
         raise UserError(f"--ppl_file {text_file}: no text to score")
@@ -114,5 +108,5 @@ def sliding_window_ppl(em, text_file: str, window: int, stride: int, batch_size:
     assert scored == len(ids) - 1
     loss = total / scored
     n_bytes = len(text.encode("utf-8"))
-    return {"file": str(path), "window": window, "stride": stride, "tokens": scored, "bytes": n_bytes,
+    return {"file": str(text_file), "window": window, "stride": stride, "tokens": scored, "bytes": n_bytes,
             "loss": loss, "ppl": math.exp(min(loss, 700.0)), "bits_per_byte": total / math.log(2) / max(1, n_bytes)}
