@@ -3,7 +3,10 @@
     archscale prepare ...          tokenize text/jsonl/parquet into LITPKDS shards
     archscale tokenizer train ...  train a byte-level BPE tokenizer
     archscale pretrain ...         train a model (seed-compatible flags; --help lists them all)
-    archscale generate ...         sample text from a checkpoint
+    archscale generate ...         sample text from a checkpoint (cached decoding)
+    archscale export ...           consolidate any checkpoint into one safetensors file
+    archscale eval / report ...    evaluate a checkpoint (ppl, Phonebook, RULER NIAH, lm-eval) / plot the results
+    archscale sweep / analyze / fit ...   scaling studies: run a study file, tabulate it, fit L = A X^-b + C
     archscale demo                 the whole pipeline on a small public-domain corpus, in minutes on a CPU
 
 Bad input raises `UserError`, printed on one line with exit code 2 (no traceback).
