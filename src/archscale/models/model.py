@@ -51,8 +51,8 @@ class GPT(nn.Module):
         cross-decoder then sees only the last position when `last_only` (its layers keep no state of their own,
         so the prompt's other positions are never needed: YOCO's linear-time prefill).
         Variable-length training: `doc_ids` (B, T) keeps every mixer inside its document (attention masks, Mamba
-        state resets); `position_ids` (B, T) gives RoPE positions (default: 0..T-1, the seed's behaviour; see
-        `document_ids` for per-document positions).
+        state resets); `position_ids` (B, T), each < T, gives RoPE positions (default: 0..T-1, the seed's behaviour;
+        `models/varlen.document_positions` gives per-document positions).
         """
         B, T = idx.shape
         pos = cache.pos if cache is not None else 0
@@ -61,7 +61,7 @@ class GPT(nn.Module):
         cos = sin = None
         if not self.config.nope:
             if position_ids is not None:
-                cos, sin = self.rope(int(position_ids.max()) + 1, idx.device)
+                cos, sin = self.rope(T, idx.device)  # positions inside documents are < T (no host sync)
                 cos, sin = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # (B, T, 1, hd/2)
             else:
                 cos, sin = self.rope(pos + T, idx.device)
