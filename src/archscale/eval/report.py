@@ -46,6 +46,10 @@ def standard_scores(doc: dict) -> dict[str, float]:
     return out
 
 
+def _no_data(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} results", ha="center", va="center", transform=ax.transAxes)
+
+
 def draw_report(paths: list[str], out: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -73,7 +77,7 @@ def draw_report(paths: list[str], out: str) -> None:
         ax.set_ylim(0, 1)
         ax.set_ylabel("score")
     else:
-        ax.text(0.5, 0.5, "no lm-eval results", ha="center", va="center", transform=ax.transAxes)
+        _no_data(ax, "lm-eval")
     ax.set_title("Standard (lm-eval)")
 
     # long context: phonebook
@@ -89,7 +93,7 @@ def draw_report(paths: list[str], out: str) -> None:
                     yerr=[pb["lengths"][n]["std"] for n in ns], marker="o", capsize=3, label=labels[i],
                     color=colors[i % len(colors)])
     if not any_pb:
-        ax.text(0.5, 0.5, "no phonebook results", ha="center", va="center", transform=ax.transAxes)
+        _no_data(ax, "phonebook")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("phonebook entries")
     ax.set_ylabel("exact match (mean ± std of 4)")
@@ -111,7 +115,7 @@ def draw_report(paths: list[str], out: str) -> None:
     if any_niah:
         ax.set_xscale("log", base=2)
     else:
-        ax.text(0.5, 0.5, "no NIAH results", ha="center", va="center", transform=ax.transAxes)
+        _no_data(ax, "NIAH")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("RULER string match")
@@ -133,7 +137,7 @@ def draw_report(paths: list[str], out: str) -> None:
     if any_ext:
         ax.set_xscale("log", base=2)
     else:
-        ax.text(0.5, 0.5, "no ppl results", ha="center", va="center", transform=ax.transAxes)
+        _no_data(ax, "ppl")
     ax.set_xlabel("context (tokens); dashed: training length")
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("Extrapolation")
