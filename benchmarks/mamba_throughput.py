@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archscale.kernels import selective_scan as scan_module
-from archscale.models.mamba import Mamba
+from archscale.models.mixers.mamba import Mamba
 from archscale.models.norm import RMSNorm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

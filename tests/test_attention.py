@@ -10,8 +10,8 @@ import torch
 
 from archscale import GPT, ModelConfig
 from archscale.models.attention_ops import attend
-from archscale.models.diff_attention import DifferentialAttention, lambda_init_for
-from archscale.models.gmu import GMU
+from archscale.models.mixers.diff_attention import DifferentialAttention, lambda_init_for
+from archscale.models.mixers.gmu import GMU
 
 
 def naive_attention(q, k, v, scale, q_pos0=0, k_pos0=0, window=0):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from archscale.models.mamba import Mamba, MambaState
+from archscale.models.mixers.mamba import Mamba, MambaState
 
 
 def make(d_model=16, seed=0, **kw):

@@ -1,85 +1,133 @@
-"""Model configuration: one dataclass, and the registry that turns "{arch}_d{depth}" into sizes.
+"""Model configuration: one dataclass, and the architectures that turn "{arch}_d{depth}" into sizes.
 
-Sizes follow ArchScale (spec §3): n_layer = depth, n_embd = ar * depth, n_head = depth, n_query_groups =
-max(1, depth // 4), head_size = 128, SwiGLU hidden = 4 * n_embd. Only the Transformer++ is registered here so
-far; the architecture-zoo work adds the hybrids to `ARCHITECTURES`.
+Sizes follow ArchScale (github.com/microsoft/ArchScale, `lit_gpt/config.py`): n_layer = depth, n_embd = ar * depth,
+n_head = depth, n_query_groups = max(1, depth // 4), head_size = 128, SwiGLU hidden = 4 * n_embd. An architecture
+is a layout of layer kinds, an aspect ratio and a parameter-count law; the kinds are served by the mixers in
+`archscale.models.mixers` (this module imports no model code).
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 from archscale.errors import UserError
 
 
+def _all(kind: str) -> Callable[[int], list[str]]:
+    return lambda L: [kind] * L
+
+
+def _transformerls(L: int) -> list[str]:
+    return ["attn" if i % 4 == 3 else "swa" for i in range(L)]
+
+
+def _samba(rnn: str) -> Callable[[int], list[str]]:
+    return lambda L: [rnn if i % 2 == 0 else "swa" for i in range(L)]
+
+
+def _yoco(rnn: str, rnn_every: int = 2, gmu: str | None = "gmu", gmu_every: int = 2,
+          memory: str = "rnn") -> Callable[[int], list[str]]:
+    """ArchScale's YOCO wiring (its `Block` with `yoco`, `rnn_per_layer`, `gmu_per_layer`): a self-decoder of
+    layers 0..L/2-1 (RNN on every `rnn_every`-th layer, SWA between), layer L/2 an RNN, layer L/2+1 the one full
+    attention layer whose K/V the cross-decoder reuses, then layers >= L/2+2: GMU on every `gmu_every`-th index,
+    cross-attention elsewhere. `memory` says which layer's output the GMUs gate: "rnn" (layer L/2 exports its
+    pre-gate SSM output: kind rnn + "_mem"), "attn" (layer L/2+1's attention output before its projection) or "mlp"
+    (layer L/2+1's MLP input half, see `_ffn_mem_after_half`)."""
+    def layout(L: int) -> list[str]:
+        half = L // 2
+        kinds = [rnn if i % rnn_every == 0 else "swa" for i in range(half)]
+        kinds.append(rnn + "_mem" if gmu and memory == "rnn" else rnn)
+        kinds.append("kv_mem" if gmu and memory == "attn" else "kv")
+        kinds += [gmu if gmu and i % gmu_every == 0 else "cross" for i in range(half + 2, L)]
+        return kinds
+    return layout
+
+
+def _ffn_mem_after_half(L: int) -> list[str]:
+    return ["mlp_mem" if i == L // 2 + 1 else "mlp" for i in range(L)]
+
+
+def _law(a: float, b: float = 0.0) -> Callable[[float], float]:
+    """ArchScale's parameter-count law N(d) = (a ar^2 + b ar) d^3 (its `pretrain.py`; used for token budgets)."""
+    return lambda ar: a * ar**2 + b * ar
+
+
 @dataclass(frozen=True)
 class ArchSpec:
-    """What differs between architectures at the same depth (spec §2.2)."""
+    """An architecture: a layout (layer index -> mixer kind), its aspect ratio and its parameter-count law."""
 
     ar: int  # aspect ratio: n_embd = ar * depth
     description: str
-    layout: str = "transformer"  # which `layer_kinds` rule builds the layer stack
+    layout: Callable[[int], list[str]]  # n_layer -> the mixer kind of every layer (kinds: models/mixers/)
+    n_mult: Callable[[float], float]  # ar -> non-embedding parameters per depth^3 (the token-budget law)
+    ffn_layout: Callable[[int], list[str]] = _all("mlp")  # n_layer -> the feed-forward kind of every layer
     sliding_window: int = 0  # SWA window W (each query sees itself and W-1 earlier tokens); 0: no SWA layers
     nope: bool = False  # no positional encoding anywhere (SambaY family)
     use_da: bool = False  # differential attention in every attention layer
-    yoco: bool = False  # needs depth % 4 == 0 (self-decoder / cross-decoder split)
+    yoco: bool = False  # needs depth % 4 == 0; layers >= depth/2 + 2 (the cross-decoder) keep no state of their
+    # own, so at prefill they see only the last prompt position
     preset: tuple = ()  # fixed ModelConfig overrides ((field, value), ...), e.g. Phi4-mini-Flash's sizes
 
 
+_YOCO = dict(sliding_window=128, nope=True, yoco=True)
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "transformer": ArchSpec(128, "Transformer++: pre-norm RMSNorm, RoPE, GQA, SwiGLU, no biases"),
+    "transformer": ArchSpec(128, "Transformer++: pre-norm RMSNorm, RoPE, GQA, SwiGLU, no biases", _all("attn"),
+                            _law(14.5)),
     "transformerls": ArchSpec(128, "Transformer++ with SWA-128 in 3 of 4 layers (idx % 4 == 3 full attention)",
-                              layout="transformerls", sliding_window=128),
+                              _transformerls, _law(14.5), sliding_window=128),
     "mamba": ArchSpec(114, "every layer Mamba-1 + SwiGLU (ar 114: parameters within 3% of transformer)",
-                      layout="mamba"),
+                      _all("mamba"), _law(18.25)),  # the law is ours: Mamba-1 6.25 ar^2 + SwiGLU 12 ar^2
     "samba": ArchSpec(122, "Samba: Mamba on even layers, SWA-2048 (RoPE) on odd layers, SwiGLU everywhere",
-                      layout="samba", sliding_window=2048),
+                      _samba("mamba"), _law(15, 160), sliding_window=2048),
     "sambay": ArchSpec(124, "SambaY: Samba self-decoder, then one full-attention KV layer and a cross-decoder "
-                            "alternating GMU and cross-attention; NoPE", layout="sambay", sliding_window=128,
-                       nope=True, yoco=True),
-    "sambayda": ArchSpec(124, "SambaY with differential attention in every attention layer", layout="sambay",
-                         sliding_window=128, nope=True, use_da=True, yoco=True),
+                            "alternating GMU and cross-attention; NoPE", _yoco("mamba"), _law(14.5, 144), **_YOCO),
+    "sambayda": ArchSpec(124, "SambaY with differential attention in every attention layer", _yoco("mamba"),
+                         _law(14.5, 144), use_da=True, **_YOCO),
     "sambayoco": ArchSpec(126, "Samba+YOCO: SambaY with cross-attention in every cross-decoder layer (no GMU)",
-                          layout="sambayoco", sliding_window=128, nope=True, yoco=True),
-    "phi4miniflash": ArchSpec(80, "Phi4-mini-Flash: SambaY + DA, LayerNorm, q/v/o biases, tied embeddings",
-                              layout="sambay", sliding_window=512, nope=True, use_da=True, yoco=True,
+                          _yoco("mamba", gmu=None), _law(13.5, 208), **_YOCO),
+    "mambay": ArchSpec(120, "MambaY: an all-Mamba-1 self-decoder (no SWA), SambaY's GMU cross-decoder",
+                       _yoco("mamba", rnn_every=1), _law(16, 64), **_YOCO),
+    "sambayattn": ArchSpec(126, "SambaY-A: the GMUs gate the KV layer's attention output (before its projection)",
+                           _yoco("mamba", memory="attn"), _law(13.5, 208), **_YOCO),
+    "sambayattnall": ArchSpec(126, "SambaY-AA: SambaY-A with a GMU in every cross-decoder layer",
+                              _yoco("mamba", memory="attn", gmu_every=1), _law(13.5, 208), **_YOCO),
+    "sambaymlp": ArchSpec(120, "SambaY-MLP: the GMUs gate the input half of the KV layer's SwiGLU",
+                          _yoco("mamba", memory="mlp"), _law(15.5, 144), ffn_layout=_ffn_mem_after_half, **_YOCO),
+    "phi4miniflash": ArchSpec(80, "Phi4-mini-Flash: SambaY + DA, LayerNorm, q/k/v/o biases, tied embeddings",
+                              _yoco("mamba"), _law(14.5, 144), sliding_window=512, nope=True, use_da=True,
+                              yoco=True,
                               preset=(("n_head", 40), ("n_query_groups", 20), ("head_size", 64),
                                       ("vocab_size", 200064), ("norm_class", "layernorm"), ("attn_bias", True),
                                       ("tie_embeddings", True), ("block_size", 8192))),
 }
+
 
 def arch_preset(arch: str) -> dict[str, Any]:
     """The architecture's fixed ModelConfig values (empty for the depth-scaled families)."""
     return dict(ARCHITECTURES[arch].preset) if arch in ARCHITECTURES else {}
 
 
-LAYER_KINDS = ("attn", "swa", "mamba", "mamba_mem", "kv", "cross", "gmu")
+def layer_kinds(arch: str, n_layer: int) -> list[str]:
+    """The mixer kind of every layer of `arch` (see `ArchSpec.layout`; the kinds are served by models/mixers/)."""
+    if arch not in ARCHITECTURES:
+        raise UserError(f"unknown architecture {arch!r}")
+    return ARCHITECTURES[arch].layout(n_layer)
 
 
-def layer_kinds(layout: str, n_layer: int) -> list[str]:
-    """The mixer of every layer (spec §2.2). attn: full attention; swa: sliding-window attention; mamba_mem: a
-    Mamba layer that also exports its pre-gate SSM output as GMU memory; kv: the full-attention layer whose K/V
-    every cross layer reuses (YOCO); cross: cross-attention (own queries only) to that K/V; gmu: gated memory."""
-    L = n_layer
-    if layout == "transformer":
-        return ["attn"] * L
-    if layout == "transformerls":
-        return ["attn" if i % 4 == 3 else "swa" for i in range(L)]
-    if layout == "mamba":
-        return ["mamba"] * L
-    if layout == "samba":
-        return ["mamba" if i % 2 == 0 else "swa" for i in range(L)]
-    if layout in ("sambay", "sambayoco"):
-        half = L // 2
-        kinds = ["mamba" if i % 2 == 0 else "swa" for i in range(half)]
-        kinds += ["mamba_mem" if layout == "sambay" else "mamba", "kv"]
-        for i in range(half + 2, L):
-            kinds.append("gmu" if layout == "sambay" and i % 2 == 0 else "cross")
-        return kinds
-    raise UserError(f"unknown layout {layout!r}")
+def n_mult(arch: str, ar: float | None = None) -> float:
+    """Non-embedding parameters per depth^3 by the architecture's law; `ar` overrides its aspect ratio."""
+    if arch not in ARCHITECTURES:
+        raise UserError(f"no parameter-count law for unknown architecture {arch!r}")
+    spec = ARCHITECTURES[arch]
+    return spec.n_mult(spec.ar if ar is None else ar)
+
+
+# ModelConfig fields of round 1 that now live in a mixer's options (read from old run configs).
+MIXER_LEGACY_DEFAULTS = {"d_state": 16, "d_conv": 4, "mamba_expand": 2}
+LEGACY_MIXER_FIELDS = {"d_state": ("mamba", "d_state"), "d_conv": ("mamba", "d_conv"),
+                       "mamba_expand": ("mamba", "expand")}
 
 
 def find_multiple(n: int, k: int) -> int:
@@ -111,9 +159,9 @@ class ModelConfig:
     sliding_window: int = 0
     nope: bool = False
     use_da: bool = False
-    d_state: int = 16  # Mamba-1
-    d_conv: int = 4
-    mamba_expand: int = 2
+    # Per-mixer fields, {mixer name: {field: value}} over the defaults each mixer declares (models/mixers/),
+    # e.g. {"mamba": {"d_state": 16}}.
+    mixer_options: dict = field(default_factory=dict)
     # Parametrization multipliers (1.0 under SP; the mu-P++ rules set them).
     residual_scale: float = 1.0  # each block's branch output is multiplied by this (mu-P++: 1/sqrt(2L))
     logit_scale: float = 1.0  # final hidden state is multiplied by this before lm_head (mu-P: d0/L)
@@ -199,63 +247,36 @@ class ModelConfig:
             base["intermediate_size"] = 4 * base["n_embd"]
         return cls(**base)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """A config saved by `to_dict` (a run's config.yaml), including runs saved before mixers had options."""
+        d = dict(d)
+        opts = {k: dict(v) for k, v in (d.pop("mixer_options", None) or {}).items()}
+        for old, (mixer, name) in LEGACY_MIXER_FIELDS.items():
+            if old in d:
+                value = d.pop(old)
+                if value != MIXER_LEGACY_DEFAULTS[old]:
+                    opts.setdefault(mixer, {})[name] = value
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise UserError(f"saved model config has unknown field(s): {', '.join(sorted(unknown))}")
+        return cls(**d, mixer_options=opts)
+
     @property
     def layer_kinds(self) -> list[str]:
-        return layer_kinds(ARCHITECTURES[self.arch].layout, self.n_layer)
+        return layer_kinds(self.arch, self.n_layer)
+
+    @property
+    def cross_decoder_start(self) -> int | None:
+        """First layer of a YOCO cross-decoder (layers there keep no decode state), None without one."""
+        return self.n_layer // 2 + 2 if ARCHITECTURES[self.arch].yoco and self.n_layer >= 4 else None
+
+    @property
+    def ffn_kinds(self) -> list[str]:
+        return ARCHITECTURES[self.arch].ffn_layout(self.n_layer)
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    def init_stds(self) -> dict[str, float]:
-        """Standard deviation each weight role starts with under `init_scheme` (closed form; what
-        `GPT.reset_parameters` draws). Norm weights start at 1 and are not listed.
-
-        mup linears are U(+-w/sqrt(fan_in)) (PyTorch's kaiming-uniform, a=sqrt(5)), so std = w/sqrt(3 fan_in).
-        """
-        d, hd, L = self.n_embd, self.head_size, self.n_layer
-        kinds = set(self.layer_kinds)
-        d_inner = self.mamba_expand * d
-        # (role, fan_in, writes into the residual stream) for every Linear role this architecture has
-        roles = [("attn.qkv", d, False), ("attn.proj", self.n_head * hd, True), ("mlp.w1", d, False),
-                 ("mlp.w3", self.intermediate_size, True)]
-        if "cross" in kinds:
-            roles.append(("attn.q_proj", d, False))
-        if kinds & {"mamba", "mamba_mem"}:
-            roles += [("mamba.in_proj", d, False), ("mamba.x_proj", d_inner, False),
-                      ("mamba.out_proj", d_inner, True)]
-        if "gmu" in kinds:
-            roles += [("gmu.in_proj", d, False), ("gmu.out_proj", d_inner, True)]
-        if self.init_scheme == "mup":
-            out = {r: self.w_init_mult / math.sqrt(3 * fan_in) for r, fan_in, _ in roles}
-            head = 0.0
-        else:
-            gpt2 = self.init_std / math.sqrt(2 * L)
-            out = {r: gpt2 if residual else self.init_std for r, _, residual in roles}
-            head = self.init_std
-        if kinds & {"mamba", "mamba_mem"}:  # Mamba's dt_proj keeps its own init: U(+-dt_rank^-0.5)
-            out["mamba.dt_proj"] = 1.0 / math.sqrt(3 * math.ceil(d / 16))
-        wte = self.init_std if self.tie_embeddings else self.embed_init_std
-        return {"wte": wte, "lm_head": wte if self.tie_embeddings else head, **out}
-
-    def non_embedding_params(self) -> int:
-        """Norms included, token embedding and lm_head excluded. Closed form for the Transformer++ (checked
-        against the module in tests); other architectures are counted on a meta-device model (no memory)."""
-        if self.layer_kinds != ["attn"] * self.n_layer or self.attn_bias or self.norm_class != "rmsnorm":
-            import torch
-
-            from archscale.models.model import GPT
-
-            with torch.device("meta"):
-                return GPT(self).num_params(non_embedding=True)
-        d, hd = self.n_embd, self.head_size
-        qkv = d * (self.n_head + 2 * self.n_query_groups) * hd
-        proj = self.n_head * hd * d
-        mlp = d * 2 * self.intermediate_size + self.intermediate_size * d
-        norms = 2 * d
-        biases = 0
-        if self.bias:
-            biases = (self.n_head + 2 * self.n_query_groups) * hd + d + 2 * self.intermediate_size + d
-        return self.n_layer * (qkv + proj + mlp + norms + biases) + d

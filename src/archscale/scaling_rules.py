@@ -1,11 +1,12 @@
 """Base hyperparameters and the rules that turn them into a concrete run plan.
 
-`BaseHyperparameters` holds the seed's era-1 fields and defaults (spec §4.1); `--base_hps.<field>` overrides
-them. `resolve_batch_and_lr` and `default_tokens` are the parametrization-independent transfer rules (§4.2):
+`BaseHyperparameters` holds ArchScale's `BaseHyperparameters` fields and defaults (its `pretrain.py`);
+`--base_hps.<field>` overrides them. `resolve_batch_and_lr` and `default_tokens` are the parametrization-independent
+transfer rules:
 the batch is b0 rounded down to a multiple of one optimizer micro-round, the LR scales with sqrt(b/b0), and
 the token budget defaults to t0 * N(d) / N(d0). `resolve_parametrization` is the one place where SP, mu-P and
-mu-P++ differ (§4.2): a global LR factor, a rule per parameter role (matrix-like / vector-like, as classified by
-`archscale.train.optim.is_vector_like`), and the model's forward multipliers and init scheme.
+mu-P++ differ: a global LR factor, a rule per parameter group (matrix-like / vector-like, as each mixer declares its
+parameters' roles in `archscale.models.mixers`), and the model's forward multipliers and init scheme.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from archscale.config import ARCHITECTURES
+from archscale.config import n_mult
 from archscale.errors import UserError
 
 
@@ -32,27 +33,6 @@ class BaseHyperparameters:
     warmup_tokens0: float = 1e9
     beta1_0: float = 0.9
     beta2_0: float = 0.95
-
-
-# Non-embedding parameters per depth^3 as a function of the aspect ratio (spec §3; the seed's laws). The ar
-# terms come from attention with a fixed head_size of 128; `mamba` is ours (Mamba-1 6.25 ar^2 + SwiGLU 12 ar^2).
-N_MULT = {
-    "transformer": lambda ar: 14.5 * ar**2,
-    "transformerls": lambda ar: 14.5 * ar**2,
-    "mamba": lambda ar: 18.25 * ar**2,
-    "samba": lambda ar: 15 * ar**2 + 160 * ar,
-    "sambay": lambda ar: 14.5 * ar**2 + 144 * ar,
-    "sambayda": lambda ar: 14.5 * ar**2 + 144 * ar,
-    "phi4miniflash": lambda ar: 14.5 * ar**2 + 144 * ar,
-    "sambayoco": lambda ar: 13.5 * ar**2 + 208 * ar,
-}
-
-
-def n_mult(arch: str, ar: int | None = None) -> float:
-    """Non-embedding parameters per depth^3 (spec §3). `ar` overrides the registry's aspect ratio."""
-    if arch not in N_MULT:
-        raise UserError(f"no parameter-count law for --train_model {arch!r}; add it to scaling_rules.N_MULT")
-    return N_MULT[arch](ARCHITECTURES[arch].ar if ar is None else ar)
 
 
 def default_tokens(hps: BaseHyperparameters, arch: str, depth: int, ar: int | None = None) -> float:
@@ -136,9 +116,9 @@ def resolve_parametrization(parametrization: str, hps: BaseHyperparameters, dept
     if depth < 1 or n_layer < 1 or head_size < 1:
         raise UserError(f"depth, n_layer and head_size must be positive (got {depth}, {n_layer}, {head_size})")
     wd = hps.weight_decay0
-    if parametrization == "sp":
+    if parametrization == "sp":  # ArchScale multiplies SP's N(0, 0.02) linears by w_init0 too
         return Rules("sp", 1.0, RoleRule(1.0, wd), RoleRule(1.0, wd), residual_scale=1.0, logit_scale=1.0,
-                     attn_scale_mult=1.0, init_scheme="sp", w_init_mult=1.0)
+                     attn_scale_mult=1.0, init_scheme="sp", w_init_mult=hps.w_init0)
     width_ratio = hps.d0 / depth  # base width / width
     common = dict(matrix=RoleRule(width_ratio, wd), logit_scale=hps.d0 / n_layer,
                   attn_scale_mult=math.sqrt(hps.hd0 / head_size), init_scheme="mup", w_init_mult=hps.w_init0)

@@ -13,16 +13,13 @@ import torch
 from torch import nn
 
 from archscale.config import ModelConfig
-from archscale.models.attention import ForwardContext
+from archscale.models import accounting
 from archscale.models.block import Block
 from archscale.models.cache import InferenceCache
 from archscale.models.generation import generate
+from archscale.models.mixers import ForwardContext
 from archscale.models.norm import make_norm
 from archscale.models.rope import rope_cache
-
-
-# Linears that write into the residual stream: GPT-2's 1/sqrt(2L) init under SP.
-OUTPUT_PROJECTIONS = ("mixer.proj", "mixer.out_proj", "mlp.w3")
 
 
 class GPT(nn.Module):
@@ -36,9 +33,11 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        kinds = config.layer_kinds
-        # YOCO: the cross-decoder (GMU / cross-attention layers) needs only the last prompt position at prefill
-        self.cross_start = next((i for i, k in enumerate(kinds) if k in ("cross", "gmu")), None)
+        # YOCO: the cross-decoder (the layers after the one KV layer) needs only the last prompt position at
+        # prefill: its layers keep no state of their own
+        self.cross_start = config.cross_decoder_start
+        for _ in accounting.named_roles(self):  # every parameter has a role (one-line error otherwise)
+            pass
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
 
@@ -110,72 +109,44 @@ class GPT(nn.Module):
     # -------------------------------------------------------------------------------------------------- init
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Initialise every weight according to `config.init_scheme`.
+        """Initialise every weight according to its role (`models/accounting.py`) and `config.init_scheme`.
 
-        sp  (seed default): linears N(0, init_std); output projections (OUTPUT_PROJECTIONS) further divided by
-            sqrt(2L) (GPT-2); embedding N(0, embed_init_std), or N(0, init_std) when tied.
-        mup: linears keep PyTorch's default kaiming-uniform init (U(+-1/sqrt(fan_in))) times `w_init_mult`;
-            untied lm_head is zero; embedding as above. `config.init_stds()` lists the resulting stds.
+        First every submodule's own init, children before parents (so a mixer's own init, e.g. Mamba's dt_proj,
+        wins over its Linears' defaults); then the parametrization's (`accounting.apply_init`): sp draws N(0,
+        init_std) for Linear weights with GPT-2's 1/sqrt(2L) on output projections, mup keeps the modules' init;
+        both multiply by w_init_mult. Embedding N(0, embed_init_std), or N(0, init_std) when tied; an untied lm_head
+        is N(0, init_std) x w_init_mult under sp and zero under mup. `init_stds()` lists the resulting stds.
         """
         cfg = self.config
-        std_out = cfg.init_std / math.sqrt(2 * cfg.n_layer)
-        # Modules with their own init first (norms, Mamba's A/D/dt/conv, differential-attention lambdas), then
-        # every Linear by the scheme, except the ones marked `_no_reinit` (Mamba's dt_proj keeps the spec init).
-        for module in self.modules():
-            if module is not self and not isinstance(module, (nn.Linear, nn.Embedding)) \
-                    and hasattr(module, "reset_parameters"):
+        for module in reversed(list(self.modules())):
+            if module is not self and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear) and getattr(module.weight, "_no_reinit", False):
-                continue
-            if isinstance(module, nn.Linear):
-                if cfg.init_scheme == "mup":
-                    module.reset_parameters()
-                    if cfg.w_init_mult != 1.0:
-                        module.weight.mul_(cfg.w_init_mult)
-                    if module.bias is not None:
-                        nn.init.zeros_(module.bias)
-                else:
-                    std = std_out if name.endswith(OUTPUT_PROJECTIONS) else cfg.init_std
-                    nn.init.normal_(module.weight, 0.0, std)
-                    if module.bias is not None:
-                        nn.init.zeros_(module.bias)
+        accounting.apply_init(self, cfg)
         if cfg.tie_embeddings:
             nn.init.normal_(self.wte.weight, 0.0, cfg.init_std)
+            return
+        nn.init.normal_(self.wte.weight, 0.0, cfg.embed_init_std)
+        if cfg.init_scheme == "mup":
+            nn.init.zeros_(self.lm_head.weight)
         else:
-            nn.init.normal_(self.wte.weight, 0.0, cfg.embed_init_std)
-            if cfg.init_scheme == "mup":
-                nn.init.zeros_(self.lm_head.weight)
+            nn.init.normal_(self.lm_head.weight, 0.0, cfg.init_std * cfg.w_init_mult)
+
+    def init_stds(self) -> dict[str, float]:
+        return accounting.init_stds(self)
 
     # ------------------------------------------------------------------------------------------------ counts
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters; non_embedding excludes the token embedding and lm_head (tied or not)."""
-        seen, total = set(), 0
-        for name, p in self.named_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            if non_embedding and (name.startswith("wte.") or name.startswith("lm_head.")):
-                continue
-            total += p.numel()
-        return total
+        return accounting.num_params(self, non_embedding)
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
-        """Analytic FLOPs per token: 2*N per matmul parameter plus attention scores/values and SSM scans.
-
-        N counts every matmul weight, lm_head included (the embedding is a lookup). Each attention layer adds
-        4 * n_head * head_size * T_eff (QK^T and AV), T_eff = seq_len (min(seq_len, W) for sliding windows), not
-        halved for causality (torchtitan's convention); differential attention computes two maps on values twice
-        as wide (x1.5). A Mamba layer's scan adds about 9 * d_inner * d_state. Training = 3x forward.
-        """
-        cfg = self.config
-        n_matmul = self.num_params(non_embedding=True) + cfg.padded_vocab_size * cfg.n_embd
-        extra = 0.0
-        for kind in cfg.layer_kinds:
-            if kind in ("attn", "kv", "cross", "swa"):
-                t_eff = min(seq_len, cfg.sliding_window) if kind == "swa" else seq_len
-                extra += 4 * cfg.n_head * cfg.head_size * t_eff * (1.5 if cfg.use_da else 1.0)
-            elif kind in ("mamba", "mamba_mem"):
-                extra += 9 * cfg.mamba_expand * cfg.n_embd * cfg.d_state
-        forward = 2 * n_matmul + extra
+        """Analytic FLOPs per token (`accounting.flops_breakdown`): 2 x every matmul weight (lm_head included)
+        plus each mixer's attention / scan / conv terms. Training = 3x forward."""
+        forward = sum(accounting.flops_breakdown(self, seq_len).values())
         return float(3 * forward if training else forward)
+
+
+def non_embedding_params(config: ModelConfig) -> int:
+    """Non-embedding parameters of `config`, counted on a meta-device model (no memory)."""
+    with torch.device("meta"):
+        return GPT(config).num_params(non_embedding=True)

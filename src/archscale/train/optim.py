@@ -1,39 +1,29 @@
 """AdamW with two parameter groups: matrix-like and vector-like weights.
 
-The split follows the seed: a parameter is vector-like when its name lacks "weight" or contains one of
-conv1d, wte, lm_head, norm, ln, layernorm (embeddings, head, norms, biases, SSM vectors). Each group carries an
-`lr_mult` and its own weight decay; under SP both groups get lr_mult 1 and wd = weight_decay0 (the mu-P++ rules
-give vectors wd 0 and matrices lr_mult d0/d).
+The group of every parameter is its role, declared by the mixer that owns it (`archscale.models.accounting`):
+embeddings, lm_head, norms, biases and SSM vectors are vector-like, hidden Linear weights matrix-like (the same
+partition as ArchScale's name rule). Each group carries an `lr_mult` and its own weight decay from the
+parametrization's `RoleRule`s (`archscale.scaling_rules`): under SP both get lr_mult 1 and weight_decay0; mu-P++
+gives vectors wd 0 and matrices lr_mult d0/d.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-VECTOR_NAME_PARTS = ("conv1d", "wte", "lm_head", "norm", "ln", "layernorm")
+from archscale.models.accounting import named_roles
+from archscale.scaling_rules import RoleRule
 
 
-def is_vector_like(name: str) -> bool:
-    return "weight" not in name or any(part in name for part in VECTOR_NAME_PARTS)
-
-
-@dataclass
-class GroupRule:
-    lr_mult: float = 1.0
-    weight_decay: float = 0.1
-
-
-def param_groups(model: nn.Module, matrix: GroupRule, vector: GroupRule) -> list[dict]:
-    groups = {"matrix": [], "vector": []}
+def param_groups(model: nn.Module, matrix: RoleRule, vector: RoleRule) -> list[dict]:
+    groups: dict[str, list] = {"matrix": [], "vector": []}
     seen = set()
-    for name, p in model.named_parameters():
+    for _, p, role in named_roles(model):
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        groups["vector" if is_vector_like(name) else "matrix"].append(p)
+        groups[role.group].append(p)
     out = []
     for key, rule in (("matrix", matrix), ("vector", vector)):
         if groups[key]:

@@ -28,7 +28,7 @@ from archscale.config import ModelConfig, arch_preset
 from archscale.data.loader import GlobalOrderLoader, load_mixture, read_manifest, validation_batches
 from archscale.errors import UserError
 from archscale.models.model import GPT
-from archscale.scaling_rules import default_tokens, resolve_batch_and_lr, resolve_parametrization
+from archscale.scaling_rules import RoleRule, default_tokens, resolve_batch_and_lr, resolve_parametrization
 from archscale.train import checkpoint as ckpt
 from archscale.train.config import PretrainConfig, apply_train_name, rope_scaling_factor, validate
 from archscale.train.deepspeed_engine import build_engine, ds_config, to_universal
@@ -38,7 +38,7 @@ from archscale.train.distributed import setup as setup_distributed
 from archscale.models.varlen import document_ids, document_positions
 from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
 from archscale.train.metrics import Progress, peak_flops
-from archscale.train.optim import GroupRule, build_adamw, param_groups, set_lr
+from archscale.train.optim import build_adamw, param_groups, set_lr
 from archscale.train.parallelize import parallelize, unwrap
 from archscale.train.schedule import lr_at
 
@@ -67,9 +67,9 @@ class Plan:
     wd_matrix: float = 0.1
     wd_vector: float = 0.1
 
-    def group_rules(self) -> tuple[GroupRule, GroupRule]:
+    def group_rules(self) -> tuple[RoleRule, RoleRule]:
         """(matrix, vector) optimizer rules."""
-        return (GroupRule(self.lr_mult_matrix, self.wd_matrix), GroupRule(self.lr_mult_vector, self.wd_vector))
+        return (RoleRule(self.lr_mult_matrix, self.wd_matrix), RoleRule(self.lr_mult_vector, self.wd_vector))
 
 
 def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
@@ -146,7 +146,7 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
         "lr_vector": plan.lr * plan.lr_mult_vector, "wd_matrix": plan.wd_matrix, "wd_vector": plan.wd_vector,
         "residual_scale": m.residual_scale, "logit_scale": m.logit_scale, "attn_scale_mult": m.attn_scale_mult,
         "attn_scale": m.attn_scale_mult / math.sqrt(m.head_size), "init_scheme": m.init_scheme,
-        "init_std": m.init_stds(), "flops_per_token": plan.flops_per_token,
+        "init_std": meta.init_stds(), "flops_per_token": plan.flops_per_token,
         "train_name_settings": plan.train_name_settings,
     }
 

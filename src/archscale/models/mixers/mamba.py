@@ -22,7 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from archscale.kernels.selective_scan import selective_scan, selective_state_update
+from archscale.config import ModelConfig
+from archscale.kernels.selective_scan import cuda_scan_available, selective_scan, selective_state_update
+from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, options_of,
+                                         register)
 
 
 @dataclass
@@ -59,9 +62,6 @@ class Mamba(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.d_inner, d_state))
         self.D = nn.Parameter(torch.empty(self.d_inner))
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
-        # the model-wide init must leave these alone (their init is part of the SSM's definition)
-        self.dt_proj.weight._no_reinit = True
-        self.dt_proj.bias._no_reinit = True
         self.reset_parameters()
 
     @torch.no_grad()
@@ -147,3 +147,67 @@ class Mamba(nn.Module):
         w = self.conv1d.weight
         bias = self.conv1d.bias
         return F.conv1d(full, w.to(xs.dtype), None if bias is None else bias.to(xs.dtype), groups=self.d_inner)
+
+
+@dataclass
+class MambaOptions:
+    """Mamba-1's config fields (`ModelConfig.mixer_options["mamba"]`); ArchScale's values by default."""
+
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+
+
+class MambaMixer(Mamba):
+    """Mamba-1 speaking the block's (x, ctx) protocol: its state lives in the inference cache, and with
+    `gmu_save` ("mamba_mem") its pre-gate SSM output becomes the GMU memory of the layers after it."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, kind: str):
+        opts = options(config)
+        super().__init__(config.n_embd, d_state=opts.d_state, d_conv=opts.d_conv, expand=opts.expand,
+                         gmu_save=kind == "mamba_mem")
+        self.layer_idx = layer_idx
+
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        state = ctx.state(self.layer_idx, lambda: MambaState.empty(x.shape[0], self, x.device, x.dtype))
+        out, memory = super().forward(x, state, doc_ids=ctx.doc_ids)
+        if memory is not None:
+            ctx.memory = memory
+        return out
+
+
+def options(config: ModelConfig) -> MambaOptions:
+    return options_of(config, SPEC)
+
+
+def mamba_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float]:
+    """Per token: the selective scan (~9 * d_inner * d_state: discretise, update, read out) and the depthwise
+    causal conv (2 * d_inner * d_conv)."""
+    opts = options(config)
+    d_inner = opts.expand * config.n_embd
+    return {"scan": 9.0 * d_inner * opts.d_state, "conv": 2.0 * d_inner * opts.d_conv}
+
+
+SPEC = register(MixerSpec(
+    name="mamba",
+    kinds=("mamba", "mamba_mem"),
+    build=MambaMixer,
+    options=MambaOptions,
+    # dt_proj.weight is a matrix like any Linear (ArchScale re-initialises it under SP; under mu-P it keeps
+    # Mamba's own U(+-dt_rank^-0.5) init times w_init0); dt_proj.bias, A_log, D and the conv are the SSM's own.
+    roles=(("in_proj.weight", MATRIX), ("x_proj.weight", MATRIX), ("dt_proj.weight", MATRIX),
+           ("out_proj.weight", OUTPUT), ("dt_proj.bias", VECTOR), ("conv1d.*", VECTOR), ("A_log", VECTOR),
+           ("D", VECTOR)),
+    flops=mamba_flops,
+    description="Mamba-1 selective SSM; 'mamba_mem' also exports its pre-gate SSM output as GMU memory (SambaY)",
+    tests=("tests/test_selective_scan.py::test_chunked_matches_ref_fp32",
+           "tests/test_mamba.py::test_parity_with_transformers_mamba_mixer"),
+    mup_init_std=lambda config, rel: (math.ceil(config.n_embd / 16) ** -0.5 / math.sqrt(3)
+                                      if rel == "dt_proj.weight" else None),
+    state=MambaState,
+    varlen="exact: the conv taps and the SSM state restart at every document start",
+    memory_width=lambda config, kind: options(config).expand * config.n_embd if kind == "mamba_mem" else 0,
+    kernels=(KernelRef("mamba_ssm.selective_scan_fn", cuda_scan_available,
+                       "archscale.kernels.selective_scan._scan_ref",
+                       "tests/test_mamba.py::test_cuda_kernel_module_matches_reference"),),
+))

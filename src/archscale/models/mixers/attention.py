@@ -1,0 +1,124 @@
+"""Attention mixers with grouped-query heads (GQA): full, sliding-window, the YOCO KV layer and cross-attention.
+
+Self-attention layers ("attn", "swa", "kv", "kv_mem") use one fused projection `attn: d -> (H + 2G) * hd`, laid
+out as [q (H*hd) | k (G*hd) | v (G*hd)]. A cross-attention layer ("cross") has only its query projection `q_proj`
+and reads the K/V that the single "kv" layer produced in this forward pass (YOCO: one KV cache for the whole
+cross-decoder). "kv_mem" is the KV layer that also exports its attention output before the output projection as
+GMU memory (ArchScale's SambaY-A variants). RoPE rotates q and k in fp32 unless the architecture is NoPE.
+Phi4-mini-Flash (`attn_bias`) has biases on the fused q/k/v projection and the output projection, as ArchScale's
+`CausalSelfAttention`. With `use_da`, the softmax is replaced by differential attention (`diff_attention.py`).
+The kernel choice lives in `attention_ops.attend`.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+from torch import nn
+
+from archscale.config import ModelConfig
+from archscale.models.attention_ops import attend, flash_attn_func
+from archscale.models.cache import KVCache, WindowKVCache
+from archscale.models.mixers.base import BIAS, MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, register
+from archscale.models.mixers.diff_attention import DifferentialAttention
+from archscale.models.rope import apply_rope
+
+KINDS = ("attn", "swa", "kv", "kv_mem", "cross")
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, kind: str):
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"not an attention kind: {kind!r}")
+        H, G, hd, d = config.n_head, config.n_query_groups, config.head_size, config.n_embd
+        self.kind, self.layer_idx = kind, layer_idx
+        self.n_head, self.n_query_groups, self.head_size = H, G, hd
+        in_bias = config.bias or config.attn_bias
+        if kind == "cross":
+            self.q_proj = nn.Linear(d, H * hd, bias=in_bias)
+        else:
+            self.attn = nn.Linear(d, (H + 2 * G) * hd, bias=in_bias)
+        self.proj = nn.Linear(H * hd, d, bias=config.bias or config.attn_bias)
+        self.scale = config.attn_scale_mult / math.sqrt(hd)
+        self.window = config.sliding_window if kind == "swa" else 0
+        self.use_rope = not config.nope
+        self.diff = DifferentialAttention(hd, layer_idx, config.norm_eps) if config.use_da else None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, G, hd = self.n_head, self.n_query_groups, self.head_size
+        q_pos0 = ctx.pos
+        if self.kind == "cross":
+            q = self.q_proj(x).view(B, T, H, hd)
+            if self.use_rope:
+                q = apply_rope(q, ctx.cos, ctx.sin)
+            if ctx.shared_kv is None:
+                raise RuntimeError(f"layer {self.layer_idx}: cross-attention runs before the KV layer")
+            k, v = ctx.shared_kv
+            q = q.transpose(1, 2)
+            k_pos0 = 0
+        else:
+            # q and k are adjacent in the fused output, so RoPE rotates both in one call (half the elementwise
+            # kernels of rotating them separately), on the (B, T, heads, hd) layout before the transpose.
+            qkv = self.attn(x)
+            qk, v = qkv.split(((H + G) * hd, G * hd), dim=-1)
+            qk = qk.view(B, T, H + G, hd)
+            if self.use_rope:
+                qk = apply_rope(qk, ctx.cos, ctx.sin)
+            q, k = qk.split((H, G), dim=2)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, G, hd).transpose(1, 2)
+            k, v, k_pos0 = self._cached(k, v, ctx)
+            if self.kind in ("kv", "kv_mem"):
+                ctx.shared_kv = (k, v)
+        docs = ctx.doc_ids  # training only (no cache): queries and keys cover the same positions
+
+        def core(q_, k_, v_):
+            return attend(q_, k_, v_, scale=self.scale, q_pos0=q_pos0, k_pos0=k_pos0, window=self.window,
+                          q_docs=docs, k_docs=docs)
+
+        y = self.diff(q, k, v, core) if self.diff is not None else core(q, k, v)
+        y = y.transpose(1, 2).reshape(B, T, H * hd)
+        if self.kind == "kv_mem":
+            ctx.memory = y
+        return self.proj(y)
+
+    def _cached(self, k, v, ctx: ForwardContext):
+        """Add this step's K/V to the layer's cache; return the keys to attend to and the first one's position."""
+        if ctx.cache is None:
+            return k, v, ctx.pos
+        if self.window:
+            state = ctx.state(self.layer_idx, lambda: WindowKVCache(self.window))
+            k, v, n_old = state.append(k, v)
+            return k, v, ctx.pos - n_old
+        state = ctx.state(self.layer_idx, lambda: KVCache(ctx.cache.capacity))
+        k, v = state.append(k, v)
+        return k, v, 0
+
+
+def attention_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float]:
+    """QK^T and AV per token: 4 * n_head * head_size * T_eff, T_eff = seq_len (min(seq_len, W) for a sliding
+    window), not halved for causality (torchtitan's convention); differential attention computes two maps on
+    values twice as wide (x1.5)."""
+    t_eff = min(seq_len, config.sliding_window) if kind == "swa" else seq_len
+    return {"attention": 4 * config.n_head * config.head_size * t_eff * (1.5 if config.use_da else 1.0)}
+
+
+SPEC = register(MixerSpec(
+    name="attention",
+    kinds=KINDS,
+    build=lambda config, layer_idx, kind: Attention(config, layer_idx, kind),
+    roles=(("attn.weight", MATRIX), ("q_proj.weight", MATRIX), ("proj.weight", OUTPUT), ("*.bias", BIAS),
+           ("diff.lambda_*", VECTOR), ("diff.subln.weight", VECTOR)),
+    flops=attention_flops,
+    description="GQA softmax attention: full, sliding-window, the YOCO KV layer (optionally exporting its "
+                "pre-projection output as GMU memory) and cross-attention to that KV; optional differential attention",
+    tests=("tests/test_attention.py::test_attend_matches_naive_training_shapes",
+           "tests/test_attention.py::test_differential_attention_matches_formula"),
+    state=KVCache,
+    varlen="exact: block-diagonal causal mask over documents (one causal call per document past 4K positions)",
+    memory_width=lambda config, kind: config.n_head * config.head_size if kind == "kv_mem" else 0,
+    kernels=(KernelRef("flash_attn_func", lambda: flash_attn_func is not None and torch.cuda.is_available(),
+                       "archscale.models.attention_ops.attention_mask + SDPA",
+                       "tests/test_attention.py::test_flash_attn_matches_sdpa"),),
+))
