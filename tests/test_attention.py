@@ -7,8 +7,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from archscale import GPT, ModelConfig
+from archscale.models import attention_ops
 from archscale.models.attention_ops import attend
 from archscale.models.mixers.diff_attention import DifferentialAttention, lambda_init_for
 from archscale.models.mixers.gmu import GMU
@@ -139,3 +141,33 @@ def test_per_document_path_equals_dense_document_mask(monkeypatch):
         torch.testing.assert_close(split, dense, atol=1e-5, rtol=1e-5)
         for a, b in zip(g_split, g_dense):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_ngmu_matches_formula():
+    """nGMU (ArchScale's GMU with use_norm): out_proj(RMSNorm(memory * silu(in_proj(x))) * weight)."""
+    torch.manual_seed(0)
+    gmu = GMU(12, 20, use_norm=True)
+    with torch.no_grad():
+        gmu.norm.weight.uniform_(0.5, 1.5)
+    x, mem = torch.randn(2, 5, 12), torch.randn(2, 5, 20)
+    y = mem * F.silu(x @ gmu.in_proj.weight.T)
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * gmu.norm.weight
+    torch.testing.assert_close(gmu(x, mem), y @ gmu.out_proj.weight.T, rtol=1e-5, atol=1e-6)
+    plain = GMU(12, 20)
+    plain.load_state_dict({k: v for k, v in gmu.state_dict().items() if not k.startswith("norm")})
+    assert (plain(x, mem) - gmu(x, mem)).abs().max() > 1e-3  # negative control: the norm matters
+
+
+@pytest.mark.cuda
+def test_flash_attn_matches_sdpa():
+    """flash-attn (when installed) equals the SDPA path for causal, windowed and GQA attention in bf16."""
+    if attention_ops.flash_attn_func is None:
+        pytest.skip("flash-attn is not installed")
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 300, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16), torch.randn(2, 2, 300, 64,
+                                                                                      device="cuda", dtype=torch.bfloat16)
+    for window in (0, 64):
+        got = attend(q, k, v, scale=0.125, window=window)
+        want = naive_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), 0.125, 0, 0, window)
+        torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)

@@ -34,8 +34,6 @@ def test_shapes_names_and_init():
     assert dt.min() >= 1e-3 * (1 - 1e-5) and dt.max() <= 0.1 * (1 + 1e-5)
     assert dt.std() > 0.01  # log-uniform, not constant
     assert m.dt_proj.weight.abs().max() <= 3 ** -0.5 and m.dt_proj.weight.abs().max() > 0.3
-    assert m.dt_proj.weight._no_reinit and m.dt_proj.bias._no_reinit
-    assert not hasattr(m.in_proj.weight, "_no_reinit")
 
 
 @pytest.mark.parametrize("gmu_save", [False, True])

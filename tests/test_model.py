@@ -113,7 +113,8 @@ def test_sp_init_statistics():
 def test_flops_per_token():
     cfg = tiny()
     model = GPT(cfg)
-    n = model.num_params() + cfg.padded_vocab_size * cfg.n_embd
+    norms = (2 * cfg.n_layer + 1) * cfg.n_embd  # vector-like, not matmul weights
+    n = model.num_params() - norms + cfg.padded_vocab_size * cfg.n_embd
     attn = cfg.n_layer * 4 * cfg.n_head * cfg.head_size * 32
     assert model.flops_per_token(32) == 3 * (2 * n + attn)
     assert model.flops_per_token(32, training=False) == 2 * n + attn
@@ -146,3 +147,12 @@ def test_memorises_a_short_text():
         opt.step()
     assert first > 4.0
     assert loss.item() < 0.05, loss.item()
+
+
+def test_swiglu_matches_formula():
+    from archscale.models.mixers.swiglu import SwiGLU
+    torch.manual_seed(0)
+    mlp = SwiGLU(12, 20)
+    x = torch.randn(3, 12)
+    gate, inp = (x @ mlp.w1.weight.T).split(20, dim=-1)
+    torch.testing.assert_close(mlp(x), (F.silu(gate) * inp) @ mlp.w3.weight.T, rtol=1e-5, atol=1e-6)

@@ -14,7 +14,8 @@ from archscale.models.model import GPT
 from archscale.scaling_rules import (BaseHyperparameters, default_tokens, resolve_batch_and_lr,
                                      resolve_parametrization)
 from archscale.train.config import PretrainConfig
-from archscale.train.optim import build_adamw, is_vector_like, param_groups, set_lr
+from archscale.models.accounting import named_roles
+from archscale.train.optim import build_adamw, param_groups, set_lr
 from archscale.train.trainer import make_plan
 
 HPS = BaseHyperparameters()  # d0=16, eta0=4e-4, b0=2**21, t0=1e11, hd0=128, wd 0.1
@@ -80,24 +81,24 @@ def test_roles_and_init_follow_the_rules():
     cfg = cfg.replace(**r.model_overrides())
     torch.manual_seed(0)
     model = GPT(cfg)
-    roles = {n: is_vector_like(n) for n, _ in model.named_parameters()}
+    roles = {n: role.group == "vector" for n, _, role in named_roles(model)}
     assert roles["wte.weight"] and roles["lm_head.weight"] and roles["blocks.0.norm_1.weight"]
     assert not roles["blocks.0.mixer.attn.weight"] and not roles["blocks.3.mlp.w3.weight"]
     groups = {g["name"]: g for g in param_groups(model, r.matrix, r.vector)}
     assert groups["matrix"]["lr_mult"] == 4.0 and groups["vector"]["weight_decay"] == 0.0  # d0=16 / d=4
-    stds = cfg.init_stds()
+    stds = model.init_stds()
     measured = {"wte": model.wte.weight, "lm_head": model.lm_head.weight,
-                "attn.qkv": model.blocks[0].mixer.attn.weight, "attn.proj": model.blocks[0].mixer.proj.weight,
-                "mlp.w1": model.blocks[0].mlp.w1.weight, "mlp.w3": model.blocks[0].mlp.w3.weight}
+                "attention.attn.weight": model.blocks[0].mixer.attn.weight, "attention.proj.weight": model.blocks[0].mixer.proj.weight,
+                "swiglu.w1.weight": model.blocks[0].mlp.w1.weight, "swiglu.w3.weight": model.blocks[0].mlp.w3.weight}
     assert stds["lm_head"] == 0.0 and model.lm_head.weight.abs().max() == 0  # zero readout (untied mu-P)
     assert stds["wte"] == 1e-4
-    assert stds["mlp.w3"] == pytest.approx(2.0 / math.sqrt(3 * 512))  # w_init0 x kaiming-uniform std
+    assert stds["swiglu.w3.weight"] == pytest.approx(2.0 / math.sqrt(3 * 512))  # w_init0 x kaiming-uniform std
     for role, w in measured.items():
         if stds[role] > 0:
             assert w.std().item() == pytest.approx(stds[role], rel=0.1), role
     # SP keeps its seed init: GPT-2 1/sqrt(2L) on the output projections
-    sp = ModelConfig.from_arch("transformer", 4, ar=32, vocab_size=512).init_stds()
-    assert sp["attn.qkv"] == 0.02 and sp["mlp.w3"] == pytest.approx(0.02 / math.sqrt(8)) and sp["wte"] == 1e-4
+    sp = GPT(ModelConfig.from_arch("transformer", 4, ar=32, vocab_size=512)).init_stds()
+    assert sp["attention.attn.weight"] == 0.02 and sp["swiglu.w3.weight"] == pytest.approx(0.02 / math.sqrt(8)) and sp["wte"] == 1e-4
 
 
 def test_plan_wires_rules_into_model_and_groups(tmp_path):
@@ -140,8 +141,9 @@ def test_dry_run_d24_mup_tie_matches_the_formulas(tmp_path, capsys):
     assert plan["attn_scale"] == pytest.approx(1 / math.sqrt(128))
     stds = plan["init_std"]
     assert stds["wte"] == stds["lm_head"] == 0.02  # tied under mu-P: N(0, 0.02)
-    assert stds["attn.qkv"] == pytest.approx(1 / math.sqrt(3 * 3072))
-    assert stds["mlp.w3"] == pytest.approx(1 / math.sqrt(3 * 4 * 3072))
+    assert stds["attention.attn.weight"] == pytest.approx(1 / math.sqrt(3 * 3072))
+    # tied under mu-P, ArchScale's `_init_weights` also divides output projections by sqrt(2L)
+    assert stds["swiglu.w3.weight"] == pytest.approx(1 / math.sqrt(3 * 4 * 3072) / math.sqrt(2 * 24))
 
 
 def test_dry_run_ar_override_and_vocab_flag(tmp_path, capsys):

@@ -185,7 +185,7 @@ def mamba_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float
     causal conv (2 * d_inner * d_conv)."""
     opts = options(config)
     d_inner = opts.expand * config.n_embd
-    return {"scan": 9.0 * d_inner * opts.d_state, "conv": 2.0 * d_inner * opts.d_conv}
+    return {"scan_elementwise": 9.0 * d_inner * opts.d_state, "conv": 2.0 * d_inner * opts.d_conv}
 
 
 SPEC = register(MixerSpec(
