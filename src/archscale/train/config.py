@@ -9,6 +9,9 @@ from typing import Optional
 
 from archscale.errors import UserError
 from archscale.scaling_rules import PARAMETRIZATIONS, BaseHyperparameters
+from archscale.train.deepspeed_engine import check_options as check_deepspeed_options
+from archscale.train.distributed import check_strategy
+from archscale.train.schedule import SCHEDULES
 
 
 @dataclass
@@ -119,16 +122,10 @@ def validate(cfg: PretrainConfig) -> None:
         (cfg.max_tokens is None or cfg.max_tokens > 0, f"--max_tokens must be positive (got {cfg.max_tokens})"),
         (cfg.precision in ("fp32", "bf16-mixed", "fp16-mixed"),
          f"--precision must be fp32 or bf16-mixed, or fp16-mixed on GPUs (got {cfg.precision!r})"),
-        (cfg.schedule in ("linear", "cosine", "wsd"), f"--schedule must be linear, cosine or wsd (got {cfg.schedule!r})"),
-        (cfg.strategy in ("auto", "single", "ddp", "fsdp", "deepspeed"),
-         f"--strategy {cfg.strategy!r} is unknown; choose auto, single, ddp, fsdp or deepspeed"),
-        (cfg.zero_stage in (0, 1, 2, 3), f"--zero_stage must be 0, 1, 2 or 3 (got {cfg.zero_stage})"),
-        (cfg.offload in ("none", "optimizer", "params"),
-         f"--offload must be none, optimizer or params (got {cfg.offload!r})"),
+        (cfg.schedule in SCHEDULES, f"--schedule must be {', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]} "
+         f"(got {cfg.schedule!r})"),
         (cfg.offload == "none" or cfg.strategy == "deepspeed",
          "--offload is a DeepSpeed option (add --strategy deepspeed); FSDP2's CPU offload is --fsdp_save_mem"),
-        (cfg.offload != "params" or cfg.zero_stage == 3, "--offload params needs --zero_stage 3"),
-        (cfg.offload == "none" or cfg.zero_stage > 0, "--offload needs --zero_stage 1, 2 or 3"),
         (not (cfg.fsdp_save_mem and cfg.strategy in ("ddp", "deepspeed")),
          f"--fsdp_save_mem offloads FSDP2 shards to the CPU; it does not combine with --strategy {cfg.strategy} "
          "(use --act_ckpt there)"),
@@ -148,6 +145,8 @@ def validate(cfg: PretrainConfig) -> None:
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
+    check_strategy(cfg.strategy)
+    check_deepspeed_options(cfg.zero_stage, cfg.offload)
     rope_scaling_factor(cfg.rope_scaling)
     from archscale.train.loggers import parse_logger_names
     parse_logger_names(cfg.logger)
