@@ -184,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[name][1](rest)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

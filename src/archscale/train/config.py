@@ -47,6 +47,9 @@ class PretrainConfig:
     act_ckpt: bool = False  # activation checkpointing per block
     compile: bool = False  # torch.compile per block (after checkpointing, before sharding)
     seed: int = 3407
+    eos_id: Optional[int] = None  # --varlen on shards without manifest.json (lit-gpt/TinyLlama; ArchScale's `_varlen` uses 2)
+    nonfinite: str = "stop"  # a step with a non-finite loss or grad norm (never applied): stop (exit 3) | skip
+    nonfinite_max: int = 10  # --nonfinite skip: give up (exit 3) when more steps than this in a row are non-finite
     eval_interval: int = 1000  # optimizer steps between validations (plus one at the end)
     eval_iters: int = 20  # validation batches per evaluation
     log_interval: int = 10  # optimizer steps between metrics.csv rows
@@ -141,6 +144,9 @@ def validate(cfg: PretrainConfig) -> None:
         (not cfg.reset_position_ids or cfg.varlen or parse_train_name(cfg.train_name)[0].get("varlen", False),
          "--reset_position_ids needs --varlen (documents come from EOS)"),
         (cfg.monitor_interval >= 0, "--monitor_interval must be >= 0 seconds"),
+        (cfg.nonfinite in ("stop", "skip"), f"--nonfinite must be stop or skip (got {cfg.nonfinite!r})"),
+        (cfg.nonfinite_max >= 1, f"--nonfinite_max must be >= 1 (got {cfg.nonfinite_max})"),
+        (cfg.eos_id is None or cfg.eos_id >= 0, f"--eos_id must be >= 0 (got {cfg.eos_id})"),
     ]
     for ok, msg in checks:
         if not ok:

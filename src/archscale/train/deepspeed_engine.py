@@ -98,8 +98,24 @@ def build_engine(model: torch.nn.Module, groups: list[dict], lr: float, betas: t
         from archscale.train.optim import build_adamw
 
         optimizer = build_adamw(groups, lr, betas, eps)
+        if zero["stage"] == 0 and not (config["bf16"]["enabled"] or config["fp16"]["enabled"]):
+            _skip_nonfinite_steps(optimizer)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
     return engine
+
+
+def _skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Without ZeRO and in fp32 DeepSpeed steps our optimizer directly and would apply NaN gradients (ZeRO and its
+    bf16/fp16 optimizers skip such a step). Give it the same skip; the engine reads `optimizer.overflow` after
+    the step and then reports the step as not applied. ZeRO-0 gradients are all-reduced, so every rank agrees."""
+    step = optimizer.step
+    optimizer.overflow = False
+
+    def guarded(*args, **kwargs):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        optimizer.overflow = not all(bool(torch.isfinite(g).all()) for g in grads)
+        return None if optimizer.overflow else step(*args, **kwargs)
+    optimizer.step = guarded
 
 
 def loss_scale(engine) -> float | None:

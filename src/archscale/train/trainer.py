@@ -27,7 +27,7 @@ import yaml
 
 from archscale.config import ModelConfig, arch_preset
 from archscale.data.loader import GlobalOrderLoader, load_mixture, read_manifest, validation_batches
-from archscale.errors import UserError
+from archscale.errors import NonFiniteError, UserError
 from archscale.models.model import GPT
 from archscale.scaling_rules import default_tokens, resolve_batch_and_lr, resolve_parametrization
 from archscale.train import checkpoint as ckpt
@@ -40,6 +40,7 @@ from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
 from archscale.train.metrics import Progress, peak_flops
 from archscale.train.optim import GroupRule, param_groups, set_lr
 from archscale.train.parallelize import parallelize, unwrap
+from archscale.train.runlock import RunLock
 from archscale.train.schedule import lr_at
 from archscale.train.strategy import Strategy, build_strategy
 
@@ -227,6 +228,71 @@ class _StopFlag:
 
 
 
+def varlen_eos_id(cfg: PretrainConfig) -> Optional[int]:
+    """The EOS id that separates documents: the data manifest's, else --eos_id (shards without a manifest)."""
+    manifest = (read_manifest(cfg.train_data_dir) or {}).get("eos_id")
+    if cfg.eos_id is not None and manifest is not None and cfg.eos_id != manifest:
+        raise UserError(f"--eos_id {cfg.eos_id}: {cfg.train_data_dir}/manifest.json says eos_id {manifest}; drop "
+                        "--eos_id (the manifest is the tokenizer's own)")
+    eos_id = manifest if manifest is not None else cfg.eos_id
+    if cfg.varlen and eos_id is None:
+        raise UserError(f"--varlen: {cfg.train_data_dir} has no manifest.json with an eos_id to find document "
+                        "boundaries; pass --eos_id N (the tokenizer's end-of-text id; ArchScale's `_varlen` uses 2, "
+                        "its Llama-2 tokenizer's), or prepare the data with `archscale prepare`")
+    return eos_id
+
+
+# Model fields a resumed run may change: the name follows the others, and the context length and RoPE settings
+# only change the positions seen (long-context continuation).
+RESUMABLE_MODEL_CHANGES = frozenset({"name", "block_size", "rope_base", "rope_scaling"})
+
+
+def check_resume_fits(step_dir: Path, cfg: PretrainConfig, plan: Plan, model_cfg: ModelConfig,
+                      world_size: int) -> None:
+    """The checkpoint's model and batch must be this run's: else a one-line error naming what differs, before
+    anything in the run dir is written (every rank checks the same files, so all fail alike)."""
+    try:
+        saved = yaml.safe_load((Path(step_dir) / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return  # an older checkpoint without a readable config: loading it will tell
+    if not isinstance(saved, dict):
+        return
+    old_model, new_model = saved.get("model") or {}, model_cfg.to_dict()
+    diff = [f"{k} {old_model[k]} -> {new_model[k]}" for k in new_model
+            if k in old_model and k not in RESUMABLE_MODEL_CHANGES and old_model[k] != new_model[k]]
+    if diff:
+        raise UserError(f"--resume {step_dir}: the checkpoint's model differs from this run's: {', '.join(diff)}; "
+                        "resume with the flags it was trained with (its config.yaml), or start a new run in "
+                        "another --out_dir")
+    old_batch = (saved.get("plan") or {}).get("batch_tokens", plan.batch_tokens)
+    if old_batch != plan.batch_tokens:
+        pre = saved.get("pretrain") or {}
+        was = {"--base_hps.b0": (pre.get("base_hps") or {}).get("b0"), "--micro_bsz": pre.get("micro_bsz"),
+               "--ctx_len": pre.get("ctx_len"), "world size": RunCheckpoints.saved_world_size(step_dir)}
+        now = {"--base_hps.b0": cfg.base_hps.b0, "--micro_bsz": cfg.micro_bsz, "--ctx_len": cfg.ctx_len,
+               "world size": world_size}
+        changed = [f"{k} {was[k]:g} -> {now[k]:g}" for k in was if was[k] is not None and was[k] != now[k]]
+        why = ("; ".join(changed) + (" (the world size changes how --base_hps.b0 is rounded)"
+                                     if "world size" in " ".join(changed) else "")) or "the batch rules differ"
+        raise UserError(f"--resume {step_dir}: it was trained with {old_batch}-token batches, this run makes "
+                        f"{plan.batch_tokens}: {why}; resume with the batch it was trained with (pick --micro_bsz / "
+                        "--base_hps.b0 so that the batch stays the same)")
+
+
+def take_run_lock(out_dir: Path, env: DistEnv) -> Optional[RunLock]:
+    """Rank 0 locks the run dir (creating it); every rank learns whether that worked."""
+    lock, error = None, None
+    if env.is_main:
+        try:
+            lock = RunLock(out_dir).acquire()
+        except UserError as e:
+            error = str(e)
+    error = env.broadcast(error)
+    if error is not None:
+        raise UserError(error)
+    return lock
+
+
 class RunCheckpoints:
     """Every call the trainer makes into checkpoint.py, in one place: where to start, load, save."""
 
@@ -238,6 +304,9 @@ class RunCheckpoints:
         if resume == "auto":
             return ckpt.find_latest(self.root, warn=self.log)
         if resume != "none":
+            if not Path(resume).is_dir():  # refused before the run dir is touched
+                raise UserError(f"--resume {resume}: not a usable checkpoint (no such directory); pass a "
+                                "checkpoints/step-* dir")
             return Path(resume)
         if ckpt.complete_checkpoints(self.root):
             raise UserError(f"--out_dir {out_dir} already holds checkpoints; use --resume auto to continue, or "
@@ -302,6 +371,11 @@ class StepResult:
     overflow: bool  # an fp16 loss scaler skipped it
     seconds: float
 
+    @property
+    def finite(self) -> bool:
+        """Loss and gradient norm finite (an fp16 loss-scale overflow is the scaler's business, not divergence)."""
+        return math.isfinite(self.train_loss) and (math.isfinite(self.grad_norm) or self.overflow)
+
 
 class _Window:
     """Throughput since the last logged row."""
@@ -351,15 +425,27 @@ class Trainer:
 
     def __init__(self, cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[[str], None]):
         self.cfg, self.env, self.log = cfg, env, log
-        self.metrics, self.monitor = None, None
+        self.metrics, self.monitor, self.lock = None, None, None
+        self.nonfinite_in_a_row = 0
         self.plan, self.model_cfg = make_plan(cfg, explicit, world_size=env.world_size, warn=log)
         self.out_dir = Path(self.plan.out_dir)
         self.checkpoints = RunCheckpoints(self.out_dir / "checkpoints", env, log)
         # ---- where to start (every rank reads the shared file system; nothing writes to it yet)
         self.resume_from = self.checkpoints.resume_point(cfg.resume, self.out_dir)
+        if self.resume_from is not None:
+            check_resume_fits(self.resume_from, cfg, self.plan, self.model_cfg, env.world_size)
+        self.last_checkpoint = self.resume_from  # the newest finite checkpoint (every saved one is)
+        self.lock = take_run_lock(self.out_dir, env)
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self) -> None:
+        cfg, env = self.cfg, self.env
         self.config_yaml = resolved_yaml(cfg, self.plan, self.model_cfg)
         if env.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(self.config_yaml)
         env.barrier()
         model = self._build_model()
@@ -403,11 +489,7 @@ class Trainer:
         self.loader = GlobalOrderLoader(cfg.train_data_dir, mixture, block_size=block, micro_bsz=cfg.micro_bsz,
                                         seed=cfg.seed, rank=env.rank, world_size=env.world_size,
                                         num_workers=cfg.num_workers)
-        eos_id = (read_manifest(cfg.train_data_dir) or {}).get("eos_id")
-        if cfg.varlen and eos_id is None:
-            raise UserError(f"--varlen: {cfg.train_data_dir}/manifest.json has no eos_id to find document "
-                            "boundaries (prepare the data with `archscale prepare`)")
-        self.forward = make_forward(cfg, eos_id)
+        self.forward = make_forward(cfg, varlen_eos_id(cfg))
         self.val_batches, self.val_pad, self.val_filler = [], 0, None
         if cfg.eval_iters > 0:
             val_dir = cfg.val_data_dir or cfg.train_data_dir
@@ -422,13 +504,8 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(env.device.type, dtype=dtype)) if dtype else nullcontext
 
     def _resume(self) -> TrainState:
-        resume_from, plan = self.resume_from, self.plan
+        resume_from = self.resume_from
         state = self.checkpoints.load(resume_from, self.strategy)
-        saved_batch = state.get("batch_tokens", plan.batch_tokens)
-        if saved_batch != plan.batch_tokens:
-            raise UserError(f"--resume {resume_from}: it was trained with {saved_batch}-token batches, this run "
-                            f"makes {plan.batch_tokens} (the world size changes how --base_hps.b0 is rounded); "
-                            "pick --micro_bsz/--base_hps.b0 so that both world sizes give the same batch")
         self.loader.load_state_dict(state["loader"])
         self.checkpoints.set_rng_state(state["rng"])
         if self.strategy.scaler is not None and state.get("grad_scaler"):
@@ -460,6 +537,9 @@ class Trainer:
                  f"{env.device.type}; peak {self.peak / 1e9:,.0f} GFLOP/s per process ({peak_src})")
 
     def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
         if self.monitor is not None:
             self.monitor.stop()
             self.monitor = None
@@ -487,7 +567,7 @@ class Trainer:
                 strategy.backward(loss, micro)
             loss_sum += loss.detach()  # no .item() here: it would sync the GPU every micro-batch
         train_loss = self.env.mean(loss_sum.double() / plan.grad_accum)  # the global batch's, on every rank
-        outcome = strategy.clip_and_step()
+        outcome = strategy.clip_and_step(apply=math.isfinite(train_loss))  # the guard: see _on_nonfinite
         state.step += 1
         state.tokens += plan.batch_tokens
         return StepResult(lr=lr, train_loss=train_loss, grad_norm=outcome.grad_norm, applied=outcome.applied,
@@ -504,7 +584,32 @@ class Trainer:
                        "rng": self.checkpoints.rng_state(), "world_size": self.env.world_size,
                        "strategy": self.env.strategy, "batch_tokens": self.plan.batch_tokens,
                        "grad_scaler": self.strategy.scaler.state_dict() if self.strategy.scaler is not None else None}
-        return self.checkpoints.save(state.step, self.strategy, train_state, self.config_yaml, self.cfg.keep_last)
+        self.last_checkpoint = self.checkpoints.save(state.step, self.strategy, train_state, self.config_yaml,
+                                                     self.cfg.keep_last)
+        return self.last_checkpoint
+
+    def _on_nonfinite(self, result: StepResult) -> None:
+        """A step whose loss or gradient norm is not finite: its update was not applied (train_step checks
+        before the optimizer step) and nothing of it is saved. Stop (exit 3), or skip it with --nonfinite skip
+        until more than --nonfinite_max come in a row."""
+        cfg, step = self.cfg, self.state.step
+        what = (f"loss ({result.train_loss})" if not math.isfinite(result.train_loss)
+                else f"gradient norm ({result.grad_norm})")
+        good = f"last good checkpoint: {self.last_checkpoint or 'none (no checkpoint was saved yet)'}"
+        if result.applied:  # only a strategy that updates on its own could (DeepSpeed; it skips such steps)
+            raise NonFiniteError(f"step {step}: non-finite {what} and the update was applied, so the weights are "
+                                 f"not finite now; nothing was saved from this step; {good}")
+        if cfg.nonfinite == "stop":
+            raise NonFiniteError(f"step {step}: non-finite {what}; the update was not applied and nothing was "
+                                 f"saved; {good} (resume with --resume auto, e.g. with a lower --base_hps.eta0, "
+                                 "or train on with --nonfinite skip)")
+        self.nonfinite_in_a_row += 1
+        if self.nonfinite_in_a_row > cfg.nonfinite_max:
+            raise NonFiniteError(f"step {step}: {self.nonfinite_in_a_row} non-finite steps in a row (the last: "
+                                 f"{what}; --nonfinite_max {cfg.nonfinite_max}), giving up; none of them was "
+                                 f"applied; {good}")
+        self.log(f"step {step}: non-finite {what}; update skipped ({self.nonfinite_in_a_row} in a row, at most "
+                 f"{cfg.nonfinite_max})")
 
     def _report(self, result: StepResult, val_loss: Optional[float], force: bool, window: _Window,
                 progress: Progress) -> None:
@@ -542,10 +647,10 @@ class Trainer:
             while state.step < last_step:
                 result = self.train_step(state, self.loader)
                 window.add(result.seconds, self.plan.batch_tokens)
-                if not math.isfinite(result.train_loss):
-                    self.save()
-                    raise RuntimeError(f"loss is {result.train_loss} at step {state.step}; checkpoint saved for "
-                                       "inspection")
+                if result.finite:
+                    self.nonfinite_in_a_row = 0
+                else:
+                    self._on_nonfinite(result)
                 is_last = state.step == last_step
                 val_loss = None
                 if cfg.eval_iters > 0 and (state.step % cfg.eval_interval == 0 or is_last):
