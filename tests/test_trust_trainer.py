@@ -252,11 +252,24 @@ def test_varlen_eos_id_for_shards_without_manifest(dataset, tmp_path, capsys):
     assert f"eos_id {eos}" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """DeepSpeed keeps its own handle on the process group, so its runs in one process share one group (as in
+    test_distributed's driver); pretrain() reuses a group it did not create and leaves it alone."""
+    import torch.distributed as dist
+
+    pytest.importorskip("deepspeed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", ["0", "2"])
-def test_nonfinite_step_under_deepspeed_is_skipped_by_the_engine(dataset, tmp_path, capsys, poison, zero_stage):
-    pytest.importorskip("deepspeed")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+def test_nonfinite_step_under_deepspeed_is_skipped_by_the_engine(one_rank_group, dataset, tmp_path, capsys, poison,
+                                                                 zero_stage, monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     run = tmp_path / "ds"
     poison(3, "grad")
     assert main(args(dataset, run, "--resume", "none", "--save_interval", "2", "--max_steps", "6", "--keep_last", "0",

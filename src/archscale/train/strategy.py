@@ -112,11 +112,14 @@ class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
 
     def __init__(self, engine, accum: int, zero_stage: int, offload: str = "none",
-                 universal: Optional[Path] = None):
+                 universal: Optional[Path] = None, plain_fp32: bool = False):
         super().__init__(engine, engine.optimizer, accum)
         self.engine = engine
         self.zero_stage, self.offload = zero_stage, offload
         self.universal = universal  # a resumed checkpoint converted for this world size (removed after loading)
+        # ZeRO-0 in fp32 steps our optimizer directly and reports no gradient norm: measure it here, on the
+        # all-reduced gradients, before the engine clips them
+        self.plain_fp32 = plain_fp32
 
     def backward(self, loss: torch.Tensor, micro: int) -> None:
         self.engine.backward(loss)
@@ -126,8 +129,13 @@ class DeepSpeedStrategy(Strategy):
     def clip_and_step(self, apply: bool = True) -> StepOutcome:
         # The boundary step. A non-finite loss has non-finite gradients, which the engine's overflow check
         # refuses; the trainer stops if an update was applied anyway (`applied` with a non-finite norm).
+        own_norm = None
+        if self.plain_fp32:
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            own_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         self.engine.step()
-        grad_norm = float(self.engine.get_global_grad_norm() or 0.0)
+        reported = self.engine.get_global_grad_norm()
+        grad_norm = float(reported if reported is not None else own_norm or 0.0)
         applied = bool(self.engine.was_step_applied())
         return StepOutcome(grad_norm, applied=applied, overflow=not applied and self.engine.fp16_enabled())
 
@@ -173,4 +181,5 @@ def build_strategy(env: DistEnv, model: torch.nn.Module, groups: list[dict], *, 
         config["checkpoint"] = {"load_universal": True}
     engine = build_engine(model, groups, lr, betas, eps, config)
     config.pop("checkpoint", None)
-    return DeepSpeedStrategy(engine, accum, zero_stage, offload, universal), config
+    plain_fp32 = zero_stage == 0 and precision == "fp32"
+    return DeepSpeedStrategy(engine, accum, zero_stage, offload, universal, plain_fp32), config
