@@ -15,11 +15,11 @@ Bad input raises `UserError`, printed on one line with exit code 2 (no traceback
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Callable, Sequence
 
 from archscale.errors import UserError
+from archscale.train.args import explicit_flags, parse_pretrain, pretrain_parser  # noqa: F401 (the CLI's API)
 
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
 
@@ -29,42 +29,6 @@ def command(name: str, help: str):
         COMMANDS[name] = (help, fn)
         return fn
     return register
-
-
-def explicit_flags(argv: Sequence[str]) -> set[str]:
-    """Names of the flags the user typed (`--base_hps.b0=1` -> 'base_hps.b0')."""
-    return {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
-
-
-def pretrain_parser():
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    from archscale.train.config import PretrainConfig
-
-    p = ArgumentParser(prog="archscale pretrain", description="Pretrain a language model on LITPKDS shards.",
-                       default_env=False)
-    p.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the flags below")
-    p.add_class_arguments(PretrainConfig, nested_key=None, as_group=False)
-    return p
-
-
-def parse_pretrain(argv: list[str]):
-    from archscale.scaling_rules import BaseHyperparameters
-    from archscale.train.config import PretrainConfig
-
-    # The deepspeed/torchrun launchers may pass --local_rank; it is read from the environment instead.
-    argv = [a for a in argv if not a.startswith("--local_rank")]
-    # A boolean flag given bare (`--dry_run`, `--compile`) means true.
-    bools = {f"--{f.name}" for f in dataclasses.fields(PretrainConfig) if f.type in (bool, "bool")}
-    argv = [f"{a}=true" if a in bools and (i + 1 == len(argv) or argv[i + 1].startswith("--")) else a
-            for i, a in enumerate(argv)]
-    ns = pretrain_parser().parse_args(argv)
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(PretrainConfig)}
-    hps = values["base_hps"]
-    if not isinstance(hps, BaseHyperparameters):
-        hps = BaseHyperparameters(**{k: v for k, v in vars(hps).items()})
-    values["base_hps"] = hps
-    return PretrainConfig(**values), explicit_flags(argv)
 
 
 @command("pretrain", "train a model (seed-compatible flags)")
@@ -122,7 +86,8 @@ def cmd_tokenizer(argv: list[str]) -> int:
 
 @command("generate", "sample text from a checkpoint or run dir")
 def cmd_generate(argv: list[str]) -> int:
-    from archscale.eval.generate import generate_text, load_model
+    from archscale.eval.generate import generate_text
+    from archscale.runs import load_run
 
     p = argparse.ArgumentParser(prog="archscale generate")
     p.add_argument("--checkpoint", required=True, help="run dir (uses its latest checkpoint) or checkpoints/step-*")
@@ -134,10 +99,8 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--top_p", type=float, default=None, help="nucleus sampling mass (e.g. 0.95)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    from archscale.data.tokenizer import Tokenizer
-
-    model, _ = load_model(a.checkpoint)
-    print(generate_text(model, Tokenizer(a.tokenizer), a.prompt, a.max_new_tokens, a.temperature, a.top_k or None,
+    run = load_run(a.checkpoint, tokenizer_path=a.tokenizer)
+    print(generate_text(run.model, run.tokenizer, a.prompt, a.max_new_tokens, a.temperature, a.top_k or None,
                         a.seed, top_p=a.top_p))
     return 0
 
@@ -221,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[name][1](rest)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -18,6 +18,7 @@ from archscale.errors import UserError
 MAGIC = b"LITPKDS"
 VERSION = 1
 HEADER_SIZE = 24  # 7 + 8 + 1 + 8
+MANIFEST = "manifest.json"  # beside the shards: vocab size, EOS id, dtype, tokenizer (`archscale prepare`)
 _HEADER = struct.Struct("<7sQBQ")
 assert _HEADER.size == HEADER_SIZE
 

@@ -51,7 +51,6 @@ from archscale.data import format as shard_format
 from archscale.errors import UserError
 
 STATE_VERSION = 1
-MANIFEST = "manifest.json"
 
 # Domain tags so that the seed sequences of different uses never coincide.
 _TAG_FILE_ORDER = 0
@@ -63,7 +62,7 @@ _TAG_MIXTURE = 2
 
 def read_manifest(data_dir: str | os.PathLike) -> dict | None:
     """Return `data_dir/manifest.json` as a dict, None if there is none; UserError if it cannot be parsed."""
-    path = Path(data_dir) / MANIFEST
+    path = Path(data_dir) / shard_format.MANIFEST
     if not path.is_file():
         return None
     try:

@@ -18,14 +18,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from archscale.data.format import read_header
+from archscale.data.format import MANIFEST, read_header
 from archscale.data.sources import InputFile, file_extension
 from archscale.errors import UserError
 
 PREPARE_VERSION = 2  # 2: --max_length splits long documents instead of truncating them
 SPLITS = ("train", "validation")
 STATE_DIR = ".prepare"
-MANIFEST = "manifest.json"
 SETTINGS = "settings.json"
 
 _FIX = "pick a new --output_dir or delete it"

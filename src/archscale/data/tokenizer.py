@@ -202,7 +202,7 @@ def train_bpe(files: list[str], vocab_size: int, out_path: str, min_frequency: i
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from archscale.data.prepare import iter_texts, list_input_files
+    from archscale.data.sources import iter_texts, list_input_files
 
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 257:
         raise UserError(f"--vocab_size must be an integer >= 257 (256 byte tokens + EOS), got {vocab_size}")

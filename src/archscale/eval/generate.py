@@ -5,35 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import yaml
 
-from archscale.config import ModelConfig
-from archscale.errors import UserError
 from archscale.models.model import GPT
-from archscale.train import checkpoint as ckpt
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A run dir (newest complete checkpoint), a checkpoints/ dir, or one checkpoints/step-* dir."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"--checkpoint {path}: no such file or directory")
-    if (path / "COMPLETE").exists():
-        return path
-    for root in (path / "checkpoints", path):
-        found = ckpt.find_latest(root, warn=lambda m: None)
-        if found is not None:
-            return found
-    raise UserError(f"--checkpoint {path}: no complete checkpoint found (expected checkpoints/step-*)")
+from archscale.runs import load_run
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
-    """Return (model in eval mode, the run's resolved config dict)."""
-    step_dir = resolve_checkpoint(path)
-    run_cfg = yaml.safe_load((step_dir / "config.yaml").read_text())
-    model = GPT(ModelConfig(**run_cfg["model"]))
-    ckpt.load_checkpoint(step_dir, model, None)
-    return model.to(device).eval(), run_cfg
+    """Return (model in eval mode, the run's resolved config dict); see `archscale.runs.load_run`."""
+    run = load_run(path, device=device)
+    return run.model, run.run_config
 
 
 @torch.no_grad()

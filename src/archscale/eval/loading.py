@@ -1,22 +1,16 @@
-"""Load a checkpoint for evaluation: model, run config, tokenizer and validation data, all from the run itself.
-
-The architecture and every flag come from the checkpoint's saved `config.yaml` (never from the path name). The
-tokenizer is the one recorded in the training data's `manifest.json` (written by `archscale prepare`), unless
-`--tokenizer` overrides it.
+"""Load a checkpoint for evaluation: model, run config, tokenizer (all through `archscale.runs.load_run`, the
+loader `generate` and `export` use too) and the run's validation data.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 
-from archscale.config import ModelConfig
-from archscale.data.prepare import file_sha256
 from archscale.errors import UserError
+from archscale.runs import find_run_path, load_run, step_number
 
 
 @dataclass
@@ -37,114 +31,18 @@ class EvalModel:
 
     @property
     def step(self) -> int | None:
-        if self.step_dir is None:
-            return None
-        try:
-            return int(self.step_dir.name.split("-")[-1])
-        except ValueError:
-            return None
-
-
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip()
-    return s.splitlines()[0] if s else type(e).__name__
-
-
-def _cause_line(e: BaseException) -> str:
-    """The most telling line of a (possibly multi-rank, traceback-carrying) exception message."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    errs = [line for line in lines if "Error:" in line]
-    return (errs[-1] if errs else (lines[0] if lines else type(e).__name__))[:300]
-
-
-def find_run_path(run_dir: Path | None, value: str | None) -> Path | None:
-    """A path recorded in config.yaml: as written (absolute or relative to the cwd), else relative to the run
-    dir or one of its ancestors (training may have been launched from another directory)."""
-    if not value:
-        return None
-    p = Path(value).expanduser()
-    if p.exists() or p.is_absolute():
-        return p if p.exists() else None
-    if run_dir is not None:
-        for base in [run_dir, *run_dir.resolve().parents]:
-            if (base / p).exists():
-                return base / p
-    return None
-
-
-def resolve_tokenizer(run_dir: Path | None, run_cfg: dict, override: str | None):
-    from archscale.data.loader import read_manifest
-    from archscale.data.tokenizer import Tokenizer
-
-    pre = run_cfg.get("pretrain") or {}
-    manifest = None
-    for key in ("train_data_dir", "val_data_dir"):
-        d = find_run_path(run_dir, pre.get(key))
-        if d is not None and d.is_dir():
-            manifest = read_manifest(d)
-            if manifest and manifest.get("tokenizer"):
-                break
-    if override:
-        tok = Tokenizer(override)
-        want = (manifest or {}).get("tokenizer_sha256")
-        if want and file_sha256(tok.path) != want:
-            print(f"warning: --tokenizer {override} differs from the one the training data was made with "
-                  f"({manifest.get('tokenizer')})", file=sys.stderr)
-        return tok
-    recorded = (manifest or {}).get("tokenizer")
-    if not recorded:
-        raise UserError("the run records no tokenizer (its training data has no manifest.json with a 'tokenizer' "
-                        "entry); pass --tokenizer PATH")
-    path = find_run_path(run_dir, recorded)
-    if path is None:
-        raise UserError(f"the run's tokenizer {recorded} (from its data manifest) does not exist; pass --tokenizer PATH")
-    return Tokenizer(path)
+        return step_number(self.step_dir)
 
 
 def load_eval_model(checkpoint: str | Path, device: str | torch.device | None = None, tokenizer: str | None = None,
                     precision: str = "fp32") -> EvalModel:
-    """Resolve a run dir / checkpoints dir / step dir and load everything evaluation needs."""
-    from archscale.eval.generate import resolve_checkpoint
-    from archscale.models.model import GPT
-    from archscale.train import checkpoint as ckpt
-
+    """Resolve a run dir / checkpoints dir / step dir and load everything evaluation needs (`runs.load_run`)."""
     if precision not in ("fp32", "bf16"):
         raise UserError(f"--precision must be fp32 or bf16, got {precision!r}")
-    step_dir = resolve_checkpoint(checkpoint)
-    cfg_path = step_dir / "config.yaml"
-    if not cfg_path.is_file():
-        raise UserError(f"--checkpoint {checkpoint}: {cfg_path} is missing; the checkpoint cannot be rebuilt "
-                        "without its saved config")
-    try:
-        run_cfg = yaml.safe_load(cfg_path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"--checkpoint {checkpoint}: cannot read {cfg_path} ({_first_line(e)})") from None
-    if not isinstance(run_cfg, dict) or not isinstance(run_cfg.get("model"), dict):
-        raise UserError(f"--checkpoint {checkpoint}: {cfg_path} has no 'model' section")
-    try:
-        model_cfg = ModelConfig(**run_cfg["model"])
-    except TypeError as e:
-        raise UserError(f"--checkpoint {checkpoint}: the saved model config does not fit this version of "
-                        f"archscale ({_first_line(e)})") from None
-    model = GPT(model_cfg)
-    try:
-        ckpt.load_checkpoint(step_dir, model, None)
-    except UserError:
-        raise
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # size mismatch, missing keys, unreadable shards (dcp's CheckpointException)
-        raise UserError(f"--checkpoint {checkpoint}: the weights in {step_dir} do not match its saved config "
-                        f"({_cause_line(e)})") from None
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = model.to(dev).eval()
-    run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else step_dir.parent
-    tok = resolve_tokenizer(run_dir, run_cfg, tokenizer)
-    if tok.vocab_size > model_cfg.padded_vocab_size:
-        raise UserError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but the model only {model_cfg.vocab_size}; "
-                        "pass the tokenizer the run was trained with")
-    return EvalModel(model=model, tokenizer=tok, train_len=model_cfg.block_size, step_dir=step_dir, run_dir=run_dir,
-                     run_cfg=run_cfg, device=dev, precision=precision)
+    run = load_run(checkpoint, device=device, tokenizer=True, tokenizer_path=tokenizer)
+    return EvalModel(model=run.model, tokenizer=run.tokenizer, train_len=run.model_config.block_size,
+                     step_dir=run.step_dir, run_dir=run.run_dir, run_cfg=run.run_config, device=run.device,
+                     precision=precision)
 
 
 def validation_dir(em: EvalModel, override: str | None = None) -> Path:

@@ -13,24 +13,17 @@ import json
 from pathlib import Path
 
 import torch
-import yaml
 
-from archscale.config import ModelConfig
-from archscale.models.model import GPT
-from archscale.train import checkpoint as ckpt
+from archscale.runs import load_run
 
 
 def consolidate(checkpoint: str | Path, out: str | Path) -> Path:
     """Write `out` (.safetensors) from a run dir, its checkpoints/ dir, or one checkpoints/step-* dir."""
     from safetensors.torch import save_file
 
-    from archscale.eval.generate import resolve_checkpoint
-
-    step_dir = resolve_checkpoint(checkpoint)
-    run_cfg = yaml.safe_load((step_dir / "config.yaml").read_text())
-    model = GPT(ModelConfig(**run_cfg["model"]))
-    ckpt.load_checkpoint(step_dir, model, None)  # weights only, from either format
-    tensors = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in model.state_dict().items()}
+    run = load_run(checkpoint)  # weights only, from either format
+    step_dir, run_cfg = run.step_dir, run.run_config
+    tensors = {k: v.detach().to(torch.float32).contiguous().clone() for k, v in run.model.state_dict().items()}
     meta = json.loads((step_dir / "COMPLETE").read_text())
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -17,22 +17,33 @@ from archscale.studies.sweep import Study, _ovr, markdown_table
 # ---------------------------------------------------------------- dry run
 
 def dry_run_plans(study: Study) -> list[dict]:
-    """Each run's resolved plan from `archscale pretrain --dry_run` (run in-process: the same JSON)."""
-    from archscale.cli import main
+    """Each run's resolved plan: `trainer.dry_run_summary`, the JSON `archscale pretrain --dry_run` prints."""
+    from archscale.train.args import parse_pretrain
+    from archscale.train.trainer import dry_run_summary
 
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     plans = []
     for r in study.runs:
-        buf, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
-            rc = main(["pretrain", *r.args(), "--dry_run=true"])
-        if rc != 0:
-            raise UserError(f"run {r.name}: pretrain --dry_run failed: "
-                            f"{err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else rc}")
-        text = buf.getvalue()
-        plan = json.loads(text[text.index("{"):])
+        warnings: list[str] = []
+        try:
+            cfg, explicit = _parse_quietly(parse_pretrain, r.args())
+            plan = dry_run_summary(cfg, explicit, world_size=world_size, warn=warnings.append)
+        except UserError as e:
+            raise UserError(f"run {r.name}: pretrain --dry_run failed: {e}") from None
         plans.append({"name": r.name, "overrides": r.overrides, "out_dir": r.out_dir, "plan": plan,
-                      "warnings": [w for w in err.getvalue().splitlines() if w.strip()]})
+                      "warnings": warnings})
     return plans
+
+
+def _parse_quietly(parse, argv: list[str]):
+    """The flag parser's error (it prints usage and exits) as a one-line UserError."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse(argv)
+    except SystemExit:
+        lines = [line for line in err.getvalue().splitlines() if line.strip()]
+        raise UserError(lines[-1].strip() if lines else "invalid flags") from None
 
 
 def plan_table(plans: list[dict]) -> str:

@@ -309,26 +309,107 @@ class _Active:
     timed_out: bool = False
 
 
-def run_study(study: Study, parallel: Optional[int] = None, threads: Optional[int] = None,
-              resume: str = "auto", timeout: Optional[float] = None, kill_grace: float = 30.0,
-              only: Optional[list[str]] = None, echo: Callable[[str], None] = print,
-              poll: float = 0.2) -> dict:
-    """Run every unfinished run; returns the status dict (also in STUDY_DIR/study.json)."""
-    if resume not in ("auto", "none"):
-        raise UserError(f"--resume {resume!r}: a sweep resumes with `auto` (skip finished runs, continue the "
-                        "others) or starts fresh with `none`")
-    out = study.out_dir
-    status = read_status(out)
-    recorded = status.get("runs", {})
-    if resume == "none" and any(Path(r.out_dir).exists() for r in study.runs):
-        raise UserError(f"--resume none: {out} already holds runs of this study; use --resume auto to continue "
-                        "it, or another --out_dir")
-    parallel = max(1, int(parallel or study.parallel or 1))
-    ncpu = os.cpu_count() or 1
-    status.update(name=study.name, study_file=str(study.path.resolve()), out_dir=str(out),
-                  command=study.command, updated=now())
-    status.setdefault("created", now())
-    status["runs"] = recorded
+class _Runner:
+    """The processes of one `run_study` call: launch, watch (timeouts: SIGTERM, then SIGKILL), record."""
+
+    def __init__(self, study: Study, status: dict, resume: str, parallel: int, threads: Optional[int],
+                 timeout: Optional[float], kill_grace: float, echo: Callable[[str], None]):
+        self.study, self.status, self.recorded = study, status, status["runs"]
+        self.resume, self.parallel, self.threads, self.timeout = resume, parallel, threads, timeout
+        self.kill_grace, self.echo = kill_grace, echo
+        self.ncpu = os.cpu_count() or 1
+        self.active: list[_Active] = []
+
+    def save_status(self) -> None:
+        write_status(self.study.out_dir, self.status)
+
+    def launch(self, r: Run) -> None:
+        study, rec = self.study, self.recorded[r.name]
+        n_threads = int(r.threads or self.threads or study.threads or max(1, self.ncpu // self.parallel))
+        Path(r.out_dir).mkdir(parents=True, exist_ok=True)
+        attempts = int(rec.get("attempts", 0)) + 1
+        resumed = attempts > 1 and (Path(r.out_dir) / "checkpoints").is_dir()
+        cmd = [*study.command, *r.args(), f"--resume={self.resume}"]
+        log = open(Path(r.out_dir) / LOG_FILE, "a")
+        log.write(f"\n===== {now()} attempt {attempts}: {shlex.join(cmd)}\n")
+        log.flush()
+        t = r.timeout if r.timeout is not None else self.timeout if self.timeout is not None else study.timeout
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(n_threads),
+                                start_new_session=True)
+        rec.update(status="running", attempts=attempts, started=now(), pid=proc.pid, threads=n_threads,
+                   timeout=t, command=shlex.join(cmd), log=str(Path(r.out_dir) / LOG_FILE))
+        rec.pop("returncode", None)
+        self.save_status()
+        self.echo(f"[sweep] {r.name}: started{' (resuming)' if resumed else ''}, pid {proc.pid}, {n_threads} "
+                  f"thread{'s' if n_threads > 1 else ''}" + (f", timeout {t:g}s" if t else ""))
+        self.active.append(_Active(r, proc, time.monotonic(), log, time.monotonic() + t if t else None))
+
+    def finish(self, a: _Active, rc: int) -> None:
+        a.log.close()
+        rec = self.recorded[a.run.name]
+        duration = time.monotonic() - a.start
+        state = "timeout" if a.timed_out else FINISHED if rc == 0 else "failed"
+        rec.update(status=state, returncode=rc, finished=now(), duration_s=round(duration, 2),
+                   total_duration_s=round(rec.get("total_duration_s", 0) + duration, 2))
+        rec.pop("pid", None)
+        rec.update(val_losses(Path(a.run.out_dir)))
+        if state != FINISHED:
+            rec["error"] = _tail(Path(a.run.out_dir) / LOG_FILE)
+        else:
+            rec.pop("error", None)
+        self.save_status()
+        best = rec.get("best_val_loss")
+        self.echo(f"[sweep] {a.run.name}: {state} (exit {rc}) in {duration:.1f}s"
+                  + (f", best val_loss {best:.4f}" if best is not None else "")
+                  + ("" if state == FINISHED else f"; log {rec['log']}"))
+
+    @staticmethod
+    def signal_group(a: _Active, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(a.proc.pid, sig)
+
+    def watch(self) -> None:
+        """One look at every running process: record the finished ones, enforce timeouts."""
+        t = time.monotonic()
+        for a in list(self.active):
+            rc = a.proc.poll()
+            if rc is not None:
+                self.active.remove(a)
+                self.finish(a, rc)
+            elif a.deadline is not None and t > a.deadline and a.term_sent is None:
+                # SIGTERM first: the trainer saves a checkpoint and exits, so a re-run continues from there
+                a.timed_out, a.term_sent = True, t
+                self.signal_group(a, signal.SIGTERM)
+            elif a.term_sent is not None and t > a.term_sent + self.kill_grace:
+                self.signal_group(a, signal.SIGKILL)
+
+    def stop_all(self, queue: list[Run]) -> None:
+        """Interrupted: SIGTERM every child (each saves a checkpoint), SIGKILL what outlives the grace period."""
+        self.echo(f"[sweep] interrupted: stopping {len(self.active)} run(s) (they save a checkpoint; re-run to "
+                  "resume)")
+        for a in self.active:
+            self.signal_group(a, signal.SIGTERM)
+        deadline = time.monotonic() + self.kill_grace
+        for a in self.active:
+            try:
+                rc = a.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.signal_group(a, signal.SIGKILL)
+                rc = a.proc.wait()
+            a.log.close()
+            self.recorded[a.run.name].update(status="interrupted", returncode=rc, finished=now(),
+                                             duration_s=round(time.monotonic() - a.start, 2))
+            self.recorded[a.run.name].pop("pid", None)
+        for r in queue:
+            self.recorded[r.name]["status"] = "pending"
+        self.status["updated"] = now()
+        self.save_status()
+
+
+def _runs_to_do(study: Study, status: dict, resume: str, only: Optional[list[str]],
+                echo: Callable[[str], None]) -> list[Run]:
+    """The study's runs that still need running (marked pending in `status`); refuses changed or running ones."""
+    out, recorded = study.out_dir, status["runs"]
     todo: list[Run] = []
     for r in study.runs:
         if only and r.name not in only:
@@ -347,54 +428,30 @@ def run_study(study: Study, parallel: Optional[int] = None, threads: Optional[in
         todo.append(r)
         recorded[r.name] = {**(rec or {}), "status": "pending", "overrides": r.overrides, "out_dir": r.out_dir,
                             "fingerprint": r.fingerprint(), "args": r.args()}
+    return todo
+
+
+def run_study(study: Study, parallel: Optional[int] = None, threads: Optional[int] = None,
+              resume: str = "auto", timeout: Optional[float] = None, kill_grace: float = 30.0,
+              only: Optional[list[str]] = None, echo: Callable[[str], None] = print,
+              poll: float = 0.2) -> dict:
+    """Run every unfinished run; returns the status dict (also in STUDY_DIR/study.json)."""
+    if resume not in ("auto", "none"):
+        raise UserError(f"--resume {resume!r}: a sweep resumes with `auto` (skip finished runs, continue the "
+                        "others) or starts fresh with `none`")
+    out = study.out_dir
+    status = read_status(out)
+    if resume == "none" and any(Path(r.out_dir).exists() for r in study.runs):
+        raise UserError(f"--resume none: {out} already holds runs of this study; use --resume auto to continue "
+                        "it, or another --out_dir")
+    parallel = max(1, int(parallel or study.parallel or 1))
+    status.update(name=study.name, study_file=str(study.path.resolve()), out_dir=str(out),
+                  command=study.command, updated=now())
+    status.setdefault("created", now())
+    status["runs"] = status.get("runs", {})
+    queue = _runs_to_do(study, status, resume, only, echo)
     write_status(out, status)
-    active: list[_Active] = []
-    queue = list(todo)
-
-    def launch(r: Run) -> _Active:
-        n_threads = int(r.threads or threads or study.threads or max(1, ncpu // parallel))
-        Path(r.out_dir).mkdir(parents=True, exist_ok=True)
-        rec = recorded[r.name]
-        attempts = int(rec.get("attempts", 0)) + 1
-        resumed = attempts > 1 and (Path(r.out_dir) / "checkpoints").is_dir()
-        cmd = [*study.command, *r.args(), f"--resume={resume}"]
-        log = open(Path(r.out_dir) / LOG_FILE, "a")
-        log.write(f"\n===== {now()} attempt {attempts}: {shlex.join(cmd)}\n")
-        log.flush()
-        t = r.timeout if r.timeout is not None else timeout if timeout is not None else study.timeout
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(n_threads),
-                                start_new_session=True)
-        rec.update(status="running", attempts=attempts, started=now(), pid=proc.pid, threads=n_threads,
-                   timeout=t, command=shlex.join(cmd), log=str(Path(r.out_dir) / LOG_FILE))
-        rec.pop("returncode", None)
-        write_status(out, status)
-        echo(f"[sweep] {r.name}: started{' (resuming)' if resumed else ''}, pid {proc.pid}, {n_threads} "
-             f"thread{'s' if n_threads > 1 else ''}" + (f", timeout {t:g}s" if t else ""))
-        return _Active(r, proc, time.monotonic(), log, time.monotonic() + t if t else None)
-
-    def finish(a: _Active, rc: int) -> None:
-        a.log.close()
-        rec = recorded[a.run.name]
-        duration = time.monotonic() - a.start
-        state = "timeout" if a.timed_out else FINISHED if rc == 0 else "failed"
-        rec.update(status=state, returncode=rc, finished=now(),
-                   duration_s=round(duration, 2), total_duration_s=round(rec.get("total_duration_s", 0) + duration, 2))
-        rec.pop("pid", None)
-        rec.update(val_losses(Path(a.run.out_dir)))
-        if state != FINISHED:
-            rec["error"] = _tail(Path(a.run.out_dir) / LOG_FILE)
-        else:
-            rec.pop("error", None)
-        write_status(out, status)
-        best = rec.get("best_val_loss")
-        echo(f"[sweep] {a.run.name}: {state} (exit {rc}) in {duration:.1f}s"
-             + (f", best val_loss {best:.4f}" if best is not None else "")
-             + ("" if state == FINISHED else f"; log {rec['log']}"))
-
-    def signal_group(a: _Active, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(a.proc.pid, sig)
-
+    runner = _Runner(study, status, resume, parallel, threads, timeout, kill_grace, echo)
     # SIGTERM (kill, a scheduler) and SIGINT (Ctrl-C; also when started in the background, where SIGINT is
     # inherited as ignored) both stop the sweep cleanly: every child gets SIGTERM, saves a checkpoint and exits
     old_handlers = {}
@@ -402,47 +459,19 @@ def run_study(study: Study, parallel: Optional[int] = None, threads: Optional[in
         for sig in (signal.SIGINT, signal.SIGTERM):
             old_handlers[sig] = signal.signal(sig, _raise_interrupt)
     try:
-        while queue or active:
-            while queue and len(active) < parallel:
+        while queue or runner.active:
+            while queue and len(runner.active) < parallel:
                 r = queue.pop(0)
                 try:
-                    active.append(launch(r))
+                    runner.launch(r)
                 except OSError as e:  # the command itself cannot start
-                    recorded[r.name].update(status="error", error=str(e), finished=now())
+                    status["runs"][r.name].update(status="error", error=str(e), finished=now())
                     write_status(out, status)
                     echo(f"[sweep] {r.name}: error: {e}")
             time.sleep(poll)
-            t = time.monotonic()
-            for a in list(active):
-                rc = a.proc.poll()
-                if rc is not None:
-                    active.remove(a)
-                    finish(a, rc)
-                elif a.deadline is not None and t > a.deadline and a.term_sent is None:
-                    # SIGTERM first: the trainer saves a checkpoint and exits, so a re-run continues from there
-                    a.timed_out, a.term_sent = True, t
-                    signal_group(a, signal.SIGTERM)
-                elif a.term_sent is not None and t > a.term_sent + kill_grace:
-                    signal_group(a, signal.SIGKILL)
+            runner.watch()
     except KeyboardInterrupt:
-        echo(f"[sweep] interrupted: stopping {len(active)} run(s) (they save a checkpoint; re-run to resume)")
-        for a in active:
-            signal_group(a, signal.SIGTERM)
-        deadline = time.monotonic() + kill_grace
-        for a in active:
-            try:
-                rc = a.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                signal_group(a, signal.SIGKILL)
-                rc = a.proc.wait()
-            a.log.close()
-            recorded[a.run.name].update(status="interrupted", returncode=rc, finished=now(),
-                                        duration_s=round(time.monotonic() - a.start, 2))
-            recorded[a.run.name].pop("pid", None)
-        for r in queue:
-            recorded[r.name]["status"] = "pending"
-        status["updated"] = now()
-        write_status(out, status)
+        runner.stop_all(queue)
         raise
     finally:
         for sig, h in old_handlers.items():

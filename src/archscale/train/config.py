@@ -9,6 +9,9 @@ from typing import Optional
 
 from archscale.errors import UserError
 from archscale.scaling_rules import PARAMETRIZATIONS, BaseHyperparameters
+from archscale.train.deepspeed_engine import check_options as check_deepspeed_options
+from archscale.train.distributed import check_strategy
+from archscale.train.schedule import SCHEDULES
 
 
 @dataclass
@@ -44,6 +47,9 @@ class PretrainConfig:
     act_ckpt: bool = False  # activation checkpointing per block
     compile: bool = False  # torch.compile per block (after checkpointing, before sharding)
     seed: int = 3407
+    eos_id: Optional[int] = None  # --varlen on shards without manifest.json (lit-gpt/TinyLlama; ArchScale's `_varlen` uses 2)
+    nonfinite: str = "stop"  # a step with a non-finite loss or grad norm (never applied): stop (exit 3) | skip
+    nonfinite_max: int = 10  # --nonfinite skip: give up (exit 3) when more steps than this in a row are non-finite
     eval_interval: int = 1000  # optimizer steps between validations (plus one at the end)
     eval_iters: int = 20  # validation batches per evaluation
     log_interval: int = 10  # optimizer steps between metrics.csv rows
@@ -119,16 +125,10 @@ def validate(cfg: PretrainConfig) -> None:
         (cfg.max_tokens is None or cfg.max_tokens > 0, f"--max_tokens must be positive (got {cfg.max_tokens})"),
         (cfg.precision in ("fp32", "bf16-mixed", "fp16-mixed"),
          f"--precision must be fp32 or bf16-mixed, or fp16-mixed on GPUs (got {cfg.precision!r})"),
-        (cfg.schedule in ("linear", "cosine", "wsd"), f"--schedule must be linear, cosine or wsd (got {cfg.schedule!r})"),
-        (cfg.strategy in ("auto", "single", "ddp", "fsdp", "deepspeed"),
-         f"--strategy {cfg.strategy!r} is unknown; choose auto, single, ddp, fsdp or deepspeed"),
-        (cfg.zero_stage in (0, 1, 2, 3), f"--zero_stage must be 0, 1, 2 or 3 (got {cfg.zero_stage})"),
-        (cfg.offload in ("none", "optimizer", "params"),
-         f"--offload must be none, optimizer or params (got {cfg.offload!r})"),
+        (cfg.schedule in SCHEDULES, f"--schedule must be {', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]} "
+         f"(got {cfg.schedule!r})"),
         (cfg.offload == "none" or cfg.strategy == "deepspeed",
          "--offload is a DeepSpeed option (add --strategy deepspeed); FSDP2's CPU offload is --fsdp_save_mem"),
-        (cfg.offload != "params" or cfg.zero_stage == 3, "--offload params needs --zero_stage 3"),
-        (cfg.offload == "none" or cfg.zero_stage > 0, "--offload needs --zero_stage 1, 2 or 3"),
         (not (cfg.fsdp_save_mem and cfg.strategy in ("ddp", "deepspeed")),
          f"--fsdp_save_mem offloads FSDP2 shards to the CPU; it does not combine with --strategy {cfg.strategy} "
          "(use --act_ckpt there)"),
@@ -144,10 +144,15 @@ def validate(cfg: PretrainConfig) -> None:
         (not cfg.reset_position_ids or cfg.varlen or parse_train_name(cfg.train_name)[0].get("varlen", False),
          "--reset_position_ids needs --varlen (documents come from EOS)"),
         (cfg.monitor_interval >= 0, "--monitor_interval must be >= 0 seconds"),
+        (cfg.nonfinite in ("stop", "skip"), f"--nonfinite must be stop or skip (got {cfg.nonfinite!r})"),
+        (cfg.nonfinite_max >= 1, f"--nonfinite_max must be >= 1 (got {cfg.nonfinite_max})"),
+        (cfg.eos_id is None or cfg.eos_id >= 0, f"--eos_id must be >= 0 (got {cfg.eos_id})"),
     ]
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
+    check_strategy(cfg.strategy)
+    check_deepspeed_options(cfg.zero_stage, cfg.offload)
     rope_scaling_factor(cfg.rope_scaling)
     from archscale.train.loggers import parse_logger_names
     parse_logger_names(cfg.logger)

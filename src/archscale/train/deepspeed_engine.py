@@ -29,25 +29,31 @@ from typing import Any
 import torch
 
 from archscale.errors import UserError
+from archscale.train.checkpoint import DS_TAG
 
-DS_TAG = "deepspeed"
+OFFLOADS = ("none", "optimizer", "params")
 
 
-def ds_config(*, micro_bsz: int, grad_accum: int, world_size: int, zero_stage: int, precision: str,
-              offload: str = "none", cuda: bool = False, clip: float = 1.0) -> dict[str, Any]:
-    """The DeepSpeed config dict for one run (written beside the checkpoints as deepspeed_config.json)."""
+def check_options(zero_stage: int, offload: str) -> None:
+    """--zero_stage / --offload, checked alone and together."""
     if zero_stage not in (0, 1, 2, 3):
         raise UserError(f"--zero_stage must be 0, 1, 2 or 3 (got {zero_stage})")
-    if offload not in ("none", "optimizer", "params"):
+    if offload not in OFFLOADS:
         raise UserError(f"--offload must be none, optimizer or params (got {offload!r})")
     if offload == "params" and zero_stage != 3:
         raise UserError("--offload params needs --zero_stage 3 (only ZeRO-3 partitions parameters)")
     if offload != "none" and zero_stage == 0:
         raise UserError("--offload needs --zero_stage 1, 2 or 3")
+
+
+def ds_config(*, micro_bsz: int, grad_accum: int, world_size: int, zero_stage: int, precision: str,
+              offload: str = "none", cuda: bool = False, clip: float = 1.0) -> dict[str, Any]:
+    """The DeepSpeed config dict for one run (written beside the checkpoints as deepspeed_config.json)."""
+    check_options(zero_stage, offload)
     zero: dict[str, Any] = {"stage": zero_stage}
     if zero_stage in (1, 2):
         zero.update(reduce_scatter=True, overlap_comm=cuda, contiguous_gradients=True)
-    if offload in ("optimizer", "params"):
+    if offload != "none":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     if offload == "params":
         zero["offload_param"] = {"device": "cpu", "pin_memory": cuda}
@@ -92,8 +98,24 @@ def build_engine(model: torch.nn.Module, groups: list[dict], lr: float, betas: t
         from archscale.train.optim import build_adamw
 
         optimizer = build_adamw(groups, lr, betas, eps)
+        if zero["stage"] == 0 and not (config["bf16"]["enabled"] or config["fp16"]["enabled"]):
+            _skip_nonfinite_steps(optimizer)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
     return engine
+
+
+def _skip_nonfinite_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Without ZeRO and in fp32 DeepSpeed steps our optimizer directly and would apply NaN gradients (ZeRO and its
+    bf16/fp16 optimizers skip such a step). Give it the same skip; the engine reads `optimizer.overflow` after
+    the step and then reports the step as not applied. ZeRO-0 gradients are all-reduced, so every rank agrees."""
+    step = optimizer.step
+    optimizer.overflow = False
+
+    def guarded(*args, **kwargs):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        optimizer.overflow = not all(bool(torch.isfinite(g).all()) for g in grads)
+        return None if optimizer.overflow else step(*args, **kwargs)
+    optimizer.step = guarded
 
 
 def loss_scale(engine) -> float | None:

@@ -82,9 +82,13 @@ class DistEnv:
             self.owns_group = False
 
 
-def resolve_strategy(strategy: str, world_size: int) -> str:
+def check_strategy(strategy: str) -> None:
     if strategy not in STRATEGIES:
         raise UserError(f"--strategy {strategy!r} is unknown; choose one of {', '.join(STRATEGIES)}")
+
+
+def resolve_strategy(strategy: str, world_size: int) -> str:
+    check_strategy(strategy)
     if strategy == "auto":
         return "single" if world_size == 1 else "fsdp"
     if strategy == "single" and world_size > 1:

@@ -1,7 +1,8 @@
 """The training loop: one process or many (torchrun), the same code.
 
-plan -> model -> parallelize (parallelize.py) -> optimizer / DeepSpeed engine -> loader -> resume ->
-loop {accumulate, clip, step, log, eval, save} -> final save.
+Setup (`Trainer.__init__`): plan -> model -> parallelize (parallelize.py) -> strategy with its optimizer or
+DeepSpeed engine (strategy.py) -> loader -> resume -> loggers. Then `fit` loops {`train_step` (accumulate, clip,
+update), log, eval, save} -> final save.
 Everything that changes between steps (model, optimizer, loader position, RNG, step/token counters) is in the
 checkpoint, so `--resume auto` continues with exactly the next batch and reproduces an uninterrupted run.
 """
@@ -26,21 +27,22 @@ import yaml
 
 from archscale.config import ModelConfig, arch_preset
 from archscale.data.loader import GlobalOrderLoader, load_mixture, read_manifest, validation_batches
-from archscale.errors import UserError
+from archscale.errors import NonFiniteError, UserError
 from archscale.models.model import GPT
 from archscale.scaling_rules import RoleRule, default_tokens, resolve_batch_and_lr, resolve_parametrization
 from archscale.train import checkpoint as ckpt
 from archscale.train.config import PretrainConfig, apply_train_name, rope_scaling_factor, validate
-from archscale.train.deepspeed_engine import build_engine, ds_config, to_universal
-from archscale.train.deepspeed_engine import loss_scale as ds_loss_scale
+from archscale.train.deepspeed_engine import to_universal
 from archscale.train.distributed import DistEnv
 from archscale.train.distributed import setup as setup_distributed
 from archscale.models.varlen import document_ids, document_positions
 from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
 from archscale.train.metrics import Progress, peak_flops
-from archscale.train.optim import build_adamw, param_groups, set_lr
+from archscale.train.optim import param_groups, set_lr
 from archscale.train.parallelize import parallelize, unwrap
+from archscale.train.runlock import RunLock
 from archscale.train.schedule import lr_at
+from archscale.train.strategy import Strategy, build_strategy
 
 
 @dataclasses.dataclass
@@ -225,6 +227,173 @@ class _StopFlag:
             signal.signal(s, h)
 
 
+
+def varlen_eos_id(cfg: PretrainConfig) -> Optional[int]:
+    """The EOS id that separates documents: the data manifest's, else --eos_id (shards without a manifest)."""
+    manifest = (read_manifest(cfg.train_data_dir) or {}).get("eos_id")
+    if cfg.eos_id is not None and manifest is not None and cfg.eos_id != manifest:
+        raise UserError(f"--eos_id {cfg.eos_id}: {cfg.train_data_dir}/manifest.json says eos_id {manifest}; drop "
+                        "--eos_id (the manifest is the tokenizer's own)")
+    eos_id = manifest if manifest is not None else cfg.eos_id
+    if cfg.varlen and eos_id is None:
+        raise UserError(f"--varlen: {cfg.train_data_dir} has no manifest.json with an eos_id to find document "
+                        "boundaries; pass --eos_id N (the tokenizer's end-of-text id; ArchScale's `_varlen` uses 2, "
+                        "its Llama-2 tokenizer's), or prepare the data with `archscale prepare`")
+    return eos_id
+
+
+# Model fields a resumed run may change: the name follows the others, and the context length and RoPE settings
+# only change the positions seen (long-context continuation).
+RESUMABLE_MODEL_CHANGES = frozenset({"name", "block_size", "rope_base", "rope_scaling"})
+
+
+def check_resume_fits(step_dir: Path, cfg: PretrainConfig, plan: Plan, model_cfg: ModelConfig,
+                      world_size: int) -> None:
+    """The checkpoint's model and batch must be this run's: else a one-line error naming what differs, before
+    anything in the run dir is written (every rank checks the same files, so all fail alike)."""
+    try:
+        saved = yaml.safe_load((Path(step_dir) / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return  # an older checkpoint without a readable config: loading it will tell
+    if not isinstance(saved, dict):
+        return
+    old_model, new_model = saved.get("model") or {}, model_cfg.to_dict()
+    diff = [f"{k} {old_model[k]} -> {new_model[k]}" for k in new_model
+            if k in old_model and k not in RESUMABLE_MODEL_CHANGES and old_model[k] != new_model[k]]
+    if diff:
+        raise UserError(f"--resume {step_dir}: the checkpoint's model differs from this run's: {', '.join(diff)}; "
+                        "resume with the flags it was trained with (its config.yaml), or start a new run in "
+                        "another --out_dir")
+    old_batch = (saved.get("plan") or {}).get("batch_tokens", plan.batch_tokens)
+    if old_batch != plan.batch_tokens:
+        pre = saved.get("pretrain") or {}
+        was = {"--base_hps.b0": (pre.get("base_hps") or {}).get("b0"), "--micro_bsz": pre.get("micro_bsz"),
+               "--ctx_len": pre.get("ctx_len"), "world size": RunCheckpoints.saved_world_size(step_dir)}
+        now = {"--base_hps.b0": cfg.base_hps.b0, "--micro_bsz": cfg.micro_bsz, "--ctx_len": cfg.ctx_len,
+               "world size": world_size}
+        changed = [f"{k} {was[k]:g} -> {now[k]:g}" for k in was if was[k] is not None and was[k] != now[k]]
+        why = ("; ".join(changed) + (" (the world size changes how --base_hps.b0 is rounded)"
+                                     if "world size" in " ".join(changed) else "")) or "the batch rules differ"
+        raise UserError(f"--resume {step_dir}: it was trained with {old_batch}-token batches, this run makes "
+                        f"{plan.batch_tokens}: {why}; resume with the batch it was trained with (pick --micro_bsz / "
+                        "--base_hps.b0 so that the batch stays the same)")
+
+
+def take_run_lock(out_dir: Path, env: DistEnv) -> Optional[RunLock]:
+    """Rank 0 locks the run dir (creating it); every rank learns whether that worked."""
+    lock, error = None, None
+    if env.is_main:
+        try:
+            lock = RunLock(out_dir).acquire()
+        except UserError as e:
+            error = str(e)
+    error = env.broadcast(error)
+    if error is not None:
+        raise UserError(error)
+    return lock
+
+
+class RunCheckpoints:
+    """Every call the trainer makes into checkpoint.py, in one place: where to start, load, save."""
+
+    def __init__(self, root: Path, env: DistEnv, log: Callable[[str], None]):
+        self.root, self.env, self.log = root, env, log
+
+    def resume_point(self, resume: str, out_dir: Path) -> Optional[Path]:
+        """The checkpoint to start from (None: from scratch). Reads only: nothing is written yet."""
+        if resume == "auto":
+            return ckpt.find_latest(self.root, warn=self.log)
+        if resume != "none":
+            if not Path(resume).is_dir():  # refused before the run dir is touched
+                raise UserError(f"--resume {resume}: not a usable checkpoint (no such directory); pass a "
+                                "checkpoints/step-* dir")
+            return Path(resume)
+        if ckpt.complete_checkpoints(self.root):
+            raise UserError(f"--out_dir {out_dir} already holds checkpoints; use --resume auto to continue, or "
+                            "pick another --out_dir")
+        return None
+
+    @staticmethod
+    def saved_world_size(step_dir: Path) -> int:
+        """How many processes wrote `step_dir`: each writes its own train state file."""
+        return max(1, len(list(Path(step_dir).glob("train_state_rank*"))))
+
+    def universal_copy(self, step_dir: Path) -> Callable[[], Optional[Path]]:
+        """For DeepSpeed: a function that converts `step_dir` to a world-size-free copy when it was saved by
+        another number of ranks (ZeRO states are partitioned per rank), returning the copy (else None)."""
+        def convert() -> Optional[Path]:
+            if step_dir is None or not ckpt.is_deepspeed_checkpoint(step_dir):
+                return None
+            saved = self.saved_world_size(step_dir)
+            if saved == self.env.world_size:
+                return None
+            universal = self.root / f".universal-{step_dir.name}"
+            if self.env.is_main:
+                shutil.rmtree(universal, ignore_errors=True)
+                self.log(f"converting {step_dir} (ZeRO over {saved} ranks) to a universal checkpoint")
+                to_universal(step_dir, universal)
+            self.env.barrier()
+            return universal
+        return convert
+
+    def load(self, step_dir: Path, strategy: Strategy) -> dict:
+        """Model and optimizer state into `strategy`'s objects; returns this rank's train state."""
+        module, optimizer, engine = strategy.state_dict_target()
+        universal = getattr(strategy, "universal", None)
+        state = ckpt.load_checkpoint(step_dir, module, optimizer, rank=self.env.rank, engine=engine, warn=self.log,
+                                     ds_universal=universal)
+        strategy.after_load(self.env)
+        return state
+
+    def save(self, step: int, strategy: Strategy, train_state: dict, config_yaml: str, keep_last: int) -> Path:
+        module, optimizer, engine = strategy.state_dict_target()
+        return ckpt.save_checkpoint(self.root, step, module, optimizer, train_state, config_yaml, keep_last,
+                                    rank=self.env.rank, barrier=self.env.barrier, engine=engine)
+
+    rng_state = staticmethod(ckpt.rng_state)
+    set_rng_state = staticmethod(ckpt.set_rng_state)
+
+
+@dataclasses.dataclass
+class TrainState:
+    """The counters that advance with every optimizer step (the rest of the state is in the objects)."""
+
+    step: int = 0
+    tokens: int = 0
+
+
+@dataclasses.dataclass
+class StepResult:
+    lr: float
+    train_loss: float  # the global batch's mean loss (every rank has it)
+    grad_norm: float
+    applied: bool  # the optimizer update happened
+    overflow: bool  # an fp16 loss scaler skipped it
+    seconds: float
+
+    @property
+    def finite(self) -> bool:
+        """Loss and gradient norm finite (an fp16 loss-scale overflow is the scaler's business, not divergence)."""
+        return math.isfinite(self.train_loss) and (math.isfinite(self.grad_norm) or self.overflow)
+
+
+class _Window:
+    """Throughput since the last logged row."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds, self.tokens = 0.0, 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.seconds += seconds
+        self.tokens += tokens
+
+    def rate(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
 def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(),
              log: Callable[[str], None] = print,
              on_step: Optional[Callable[[int], None]] = None) -> Optional[Path]:
@@ -232,7 +401,7 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(),
     prints the plan). `explicit` names the flags the user set. `on_step(step)` runs after each optimizer step,
     before that step's checkpoint decision (tests use it to deliver signals at an exact step).
 
-    Under torchrun every process calls this; the strategy (distributed.py) decides how they cooperate. Only
+    Under torchrun every process calls this; the strategy (strategy.py) decides how they cooperate. Only
     rank 0 logs, writes metrics.csv and shows the progress bar."""
     if cfg.dry_run:
         print_dry_run(cfg, explicit)
@@ -241,249 +410,266 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(),
     validate(cfg)  # before any process group exists, so bad flags fail fast everywhere
     env = setup_distributed(strategy)
     try:
-        return _train(cfg, set(explicit), env, log if env.is_main else (lambda msg: None), on_step)
+        trainer = Trainer(cfg, set(explicit), env, log if env.is_main else (lambda msg: None))
+        try:
+            return trainer.fit(on_step)
+        finally:
+            trainer.close()
     finally:
         env.close()
 
 
-def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[[str], None],
-           on_step: Optional[Callable[[int], None]]) -> Path:
-    plan, model_cfg = make_plan(cfg, explicit, world_size=env.world_size, warn=log)
-    device = env.device
-    out_dir = Path(plan.out_dir)
-    ckpt_root = out_dir / "checkpoints"
-    val_dir = cfg.val_data_dir or cfg.train_data_dir
-    block = cfg.ctx_len + 1
-    use_ds = env.strategy == "deepspeed"
+class Trainer:
+    """Setup (plan -> model -> parallelize -> strategy/optimizer -> data -> resume -> loggers) in the
+    constructor; `train_step` is one optimizer step; `fit` is the loop around it."""
 
-    # ---- where to start (every rank reads the shared file system; nothing writes to it yet)
-    resume_from = None
-    if cfg.resume == "auto":
-        resume_from = ckpt.find_latest(ckpt_root, warn=log)
-    elif cfg.resume != "none":
-        resume_from = Path(cfg.resume)
-    elif ckpt.complete_checkpoints(ckpt_root):
-        raise UserError(f"--out_dir {out_dir} already holds checkpoints; use --resume auto to continue, or pick "
-                        "another --out_dir")
-    config_yaml = resolved_yaml(cfg, plan, model_cfg)
-    if env.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(config_yaml)
-    env.barrier()
+    def __init__(self, cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[[str], None]):
+        self.cfg, self.env, self.log = cfg, env, log
+        self.metrics, self.monitor, self.lock = None, None, None
+        self.nonfinite_in_a_row = 0
+        self.plan, self.model_cfg = make_plan(cfg, explicit, world_size=env.world_size, warn=log)
+        self.out_dir = Path(self.plan.out_dir)
+        self.checkpoints = RunCheckpoints(self.out_dir / "checkpoints", env, log)
+        # ---- where to start (every rank reads the shared file system; nothing writes to it yet)
+        self.resume_from = self.checkpoints.resume_point(cfg.resume, self.out_dir)
+        if self.resume_from is not None:
+            check_resume_fits(self.resume_from, cfg, self.plan, self.model_cfg, env.world_size)
+        self.last_checkpoint = self.resume_from  # the newest finite checkpoint (every saved one is)
+        self.lock = take_run_lock(self.out_dir, env)
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
 
-    # ---- model -> parallelize -> optimizer (every rank builds the same init from the same seed)
-    torch.manual_seed(cfg.seed)
-    model = GPT(model_cfg).to(device)
-    act_ckpt = cfg.act_ckpt or cfg.fsdp_save_mem
-    compile_blocks = cfg.compile and not cfg.fsdp_save_mem
-    if cfg.compile and cfg.fsdp_save_mem:
-        log("note: --fsdp_save_mem turns --compile off (as the seed does)")
-    bf16, fp16 = cfg.precision == "bf16-mixed", cfg.precision == "fp16-mixed"
-    # FSDP2's CPUOffloadPolicy needs an accelerator to offload from; on a CPU machine the shards already live in
-    # host memory, so --fsdp_save_mem is activation checkpointing only there.
-    cpu_offload = cfg.fsdp_save_mem and env.strategy == "fsdp" and device.type == "cuda"
-    if cfg.fsdp_save_mem and not cpu_offload:
-        log("note: --fsdp_save_mem on CPU = activation checkpointing (FSDP2 CPU offload needs a GPU to offload from)")
-    model = parallelize(model, env, act_ckpt=act_ckpt, compile=compile_blocks, bf16=bf16, cpu_offload=cpu_offload)
-    hps = cfg.base_hps
-    matrix_rule, vector_rule = plan.group_rules()  # SP: the same rule for both groups
-    groups = param_groups(unwrap(model), matrix_rule, vector_rule)
-    engine = None
-    if use_ds:
-        ds_cfg = ds_config(micro_bsz=cfg.micro_bsz, grad_accum=plan.grad_accum, world_size=env.world_size,
-                           zero_stage=cfg.zero_stage, precision=cfg.precision, offload=cfg.offload,
-                           cuda=device.type == "cuda")
-        universal = None
-        if resume_from is not None and ckpt.is_deepspeed_checkpoint(resume_from):
-            saved_world = torch.load(resume_from / "train_state_rank0.pt", weights_only=False).get("world_size", 1)
-            if saved_world != env.world_size:  # ZeRO states are partitioned per rank: go through "universal"
-                universal = ckpt_root / f".universal-{resume_from.name}"
-                if env.is_main:
-                    shutil.rmtree(universal, ignore_errors=True)
-                    log(f"converting {resume_from} (ZeRO over {saved_world} ranks) to a universal checkpoint")
-                    to_universal(resume_from, universal)
-                env.barrier()
-                ds_cfg["checkpoint"] = {"load_universal": True}
-        engine = build_engine(model, groups, plan.lr, (hps.beta1_0, hps.beta2_0), hps.eps0, ds_cfg)
-        ds_cfg.pop("checkpoint", None)
-        model, optimizer = engine, engine.optimizer
+    def _setup(self) -> None:
+        cfg, env = self.cfg, self.env
+        self.config_yaml = resolved_yaml(cfg, self.plan, self.model_cfg)
         if env.is_main:
-            (out_dir / "deepspeed_config.json").write_text(json.dumps(ds_cfg, indent=1))
-    else:
-        optimizer = build_adamw(groups, plan.lr, (hps.beta1_0, hps.beta2_0), hps.eps0)
-    scaler = torch.amp.GradScaler(device.type) if (fp16 and not use_ds) else None
+            (self.out_dir / "config.yaml").write_text(self.config_yaml)
+        env.barrier()
+        model = self._build_model()
+        self.groups = param_groups(unwrap(model), *self.plan.group_rules())  # SP: one rule for both groups
+        hps = cfg.base_hps
+        self.strategy, ds_cfg = build_strategy(
+            env, model, self.groups, lr=self.plan.lr, betas=(hps.beta1_0, hps.beta2_0), eps=hps.eps0,
+            accum=self.plan.grad_accum, micro_bsz=cfg.micro_bsz, precision=cfg.precision,
+            zero_stage=cfg.zero_stage, offload=cfg.offload,
+            universal_from=self.checkpoints.universal_copy(self.resume_from))
+        if ds_cfg is not None and env.is_main:
+            (self.out_dir / "deepspeed_config.json").write_text(json.dumps(ds_cfg, indent=1))
+        self._build_data()
+        self.state = self._resume() if self.resume_from is not None else TrainState()
+        self._open_loggers()
 
-    # ---- data: one global sample order, rank r takes micro-batches r, r+W, ... (the same global batches
-    # whatever the world size; see GlobalOrderLoader)
-    mixture = load_mixture(cfg.data_mixture, cfg.train_data_dir) if cfg.data_mixture else "train"
-    loader = GlobalOrderLoader(cfg.train_data_dir, mixture, block_size=block, micro_bsz=cfg.micro_bsz,
-                               seed=cfg.seed, rank=env.rank, world_size=env.world_size,
-                               num_workers=cfg.num_workers)
-    eos_id = (read_manifest(cfg.train_data_dir) or {}).get("eos_id")
-    if cfg.varlen and eos_id is None:
-        raise UserError(f"--varlen: {cfg.train_data_dir}/manifest.json has no eos_id to find document boundaries "
-                        "(prepare the data with `archscale prepare`)")
-    forward = make_forward(cfg, eos_id)
-    val_batches, val_pad, val_filler = [], 0, None
-    if cfg.eval_iters > 0:
-        everything = list(validation_batches(val_dir, "validation", block_size=block,
-                                             micro_bsz=max(1, cfg.micro_bsz), max_batches=cfg.eval_iters))
-        for b in everything:
-            check_token_range(b, model_cfg.vocab_size, val_dir)
-        val_batches = everything[env.rank::env.world_size]
-        val_pad = -(-len(everything) // env.world_size) - len(val_batches)
-        val_filler = everything[0]
-    autocast_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else None
-    autocast = (lambda: torch.autocast(device.type, dtype=autocast_dtype)) if autocast_dtype else nullcontext
+    # ---------------------------------------------------------------- setup
+    def _build_model(self) -> torch.nn.Module:
+        """Every rank builds the same init from the same seed, then parallelize() wraps/shards it."""
+        cfg, env = self.cfg, self.env
+        torch.manual_seed(cfg.seed)
+        model = GPT(self.model_cfg).to(env.device)
+        if cfg.compile and cfg.fsdp_save_mem:
+            self.log("note: --fsdp_save_mem turns --compile off (as the seed does)")
+        # FSDP2's CPUOffloadPolicy needs an accelerator to offload from; on a CPU machine the shards already live
+        # in host memory, so --fsdp_save_mem is activation checkpointing only there.
+        cpu_offload = cfg.fsdp_save_mem and env.strategy == "fsdp" and env.device.type == "cuda"
+        if cfg.fsdp_save_mem and not cpu_offload:
+            self.log("note: --fsdp_save_mem on CPU = activation checkpointing (FSDP2 CPU offload needs a GPU to "
+                     "offload from)")
+        return parallelize(model, env, act_ckpt=cfg.act_ckpt or cfg.fsdp_save_mem,
+                           compile=cfg.compile and not cfg.fsdp_save_mem, bf16=cfg.precision == "bf16-mixed",
+                           cpu_offload=cpu_offload)
 
-    step, tokens, val_loss = 0, 0, None
-    if resume_from is not None:
-        state = ckpt.load_checkpoint(resume_from, unwrap(model) if env.strategy == "ddp" else model,
-                                     None if use_ds else optimizer, rank=env.rank, engine=engine, warn=log,
-                                     ds_universal=universal if use_ds else None)
-        if use_ds and universal is not None:
-            env.barrier()
-            if env.is_main:
-                shutil.rmtree(universal, ignore_errors=True)
-        saved_batch = state.get("batch_tokens", plan.batch_tokens)
-        if saved_batch != plan.batch_tokens:
-            raise UserError(f"--resume {resume_from}: it was trained with {saved_batch}-token batches, this run "
-                            f"makes {plan.batch_tokens} (the world size changes how --base_hps.b0 is rounded); "
-                            "pick --micro_bsz/--base_hps.b0 so that both world sizes give the same batch")
-        loader.load_state_dict(state["loader"])
-        ckpt.set_rng_state(state["rng"])
-        if scaler is not None and state.get("grad_scaler"):
-            scaler.load_state_dict(state["grad_scaler"])
-        step, tokens = state["step"], state["tokens"]
+    def _build_data(self) -> None:
+        """One global sample order; rank r takes micro-batches r, r+W, ... (the same global batches whatever the
+        world size; see GlobalOrderLoader). Validation batches are split over ranks."""
+        cfg, env = self.cfg, self.env
+        block = cfg.ctx_len + 1
+        mixture = load_mixture(cfg.data_mixture, cfg.train_data_dir) if cfg.data_mixture else "train"
+        self.loader = GlobalOrderLoader(cfg.train_data_dir, mixture, block_size=block, micro_bsz=cfg.micro_bsz,
+                                        seed=cfg.seed, rank=env.rank, world_size=env.world_size,
+                                        num_workers=cfg.num_workers)
+        self.forward = make_forward(cfg, varlen_eos_id(cfg))
+        self.val_batches, self.val_pad, self.val_filler = [], 0, None
+        if cfg.eval_iters > 0:
+            val_dir = cfg.val_data_dir or cfg.train_data_dir
+            everything = list(validation_batches(val_dir, "validation", block_size=block,
+                                                 micro_bsz=max(1, cfg.micro_bsz), max_batches=cfg.eval_iters))
+            for b in everything:
+                check_token_range(b, self.model_cfg.vocab_size, val_dir)
+            self.val_batches = everything[env.rank::env.world_size]
+            self.val_pad = -(-len(everything) // env.world_size) - len(self.val_batches)
+            self.val_filler = everything[0]
+        dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(cfg.precision)
+        self.autocast = (lambda: torch.autocast(env.device.type, dtype=dtype)) if dtype else nullcontext
+
+    def _resume(self) -> TrainState:
+        resume_from = self.resume_from
+        state = self.checkpoints.load(resume_from, self.strategy)
+        self.loader.load_state_dict(state["loader"])
+        self.checkpoints.set_rng_state(state["rng"])
+        if self.strategy.scaler is not None and state.get("grad_scaler"):
+            self.strategy.scaler.load_state_dict(state["grad_scaler"])
         saved_world = state.get("world_size", 1)
-        log(f"resumed from {resume_from} at step {step} ({tokens:,} tokens)"
-            + (f"; world size {saved_world} -> {env.world_size}" if saved_world != env.world_size else ""))
-    extra_cols = ("loss_scale",) if fp16 else ()
-    wb_config, wb_tags = seed_wandb_config(cfg)
-    metrics = Loggers(out_dir, cfg.logger, resume_step=step if resume_from is not None else None, extra=extra_cols,
-                      config={**wb_config, "plan": dataclasses.asdict(plan)}, run_name=plan.run_name,
-                      project=cfg.wandb_project, tags=wb_tags) if env.is_main else None
-    monitor = (SystemMonitor(metrics, cfg.monitor_interval, console=log).start()
-               if metrics is not None and cfg.monitor_interval > 0 else None)
+        self.log(f"resumed from {resume_from} at step {state['step']} ({state['tokens']:,} tokens)"
+                 + (f"; world size {saved_world} -> {self.env.world_size}" if saved_world != self.env.world_size
+                    else ""))
+        return TrainState(step=state["step"], tokens=state["tokens"])
 
-    def close_loggers() -> None:
-        if monitor is not None:
-            monitor.stop()
-        if metrics is not None:
-            metrics.close()
+    def _open_loggers(self) -> None:
+        cfg, plan, env = self.cfg, self.plan, self.env
+        extra_cols = ("loss_scale",) if cfg.precision == "fp16-mixed" else ()
+        wb_config, wb_tags = seed_wandb_config(cfg)
+        if env.is_main:
+            self.metrics = Loggers(self.out_dir, cfg.logger, extra=extra_cols,
+                                   resume_step=self.state.step if self.resume_from is not None else None,
+                                   config={**wb_config, "plan": dataclasses.asdict(plan)}, run_name=plan.run_name,
+                                   project=cfg.wandb_project, tags=wb_tags)
+            if cfg.monitor_interval > 0:
+                self.monitor = SystemMonitor(self.metrics, cfg.monitor_interval, console=self.log).start()
+        self.peak, peak_src = peak_flops(env.device, torch.bfloat16 if cfg.precision == "bf16-mixed"
+                                         else torch.float32)
+        self.log(f"run {self.out_dir}: {self.model_cfg.name}, {plan.non_embedding_params / 1e6:.2f}M non-embedding "
+                 f"params, {plan.max_steps} steps x {plan.batch_tokens:,} tokens (accum {plan.grad_accum} x "
+                 f"{env.world_size} process{'es' if env.world_size > 1 else ''}, {self.strategy.describe()}), "
+                 f"{plan.parametrization}, lr {plan.lr * plan.lr_mult_matrix:.3g} matrix / "
+                 f"{plan.lr * plan.lr_mult_vector:.3g} vector, warmup {plan.warmup_steps} steps, {cfg.precision} on "
+                 f"{env.device.type}; peak {self.peak / 1e9:,.0f} GFLOP/s per process ({peak_src})")
 
-    peak, peak_src = peak_flops(device, torch.bfloat16 if bf16 else torch.float32)
-    log(f"run {out_dir}: {model_cfg.name}, {plan.non_embedding_params / 1e6:.2f}M non-embedding params, "
-        f"{plan.max_steps} steps x {plan.batch_tokens:,} tokens (accum {plan.grad_accum} x {env.world_size} "
-        f"process{'es' if env.world_size > 1 else ''}, {env.strategy}"
-        + (f" ZeRO-{cfg.zero_stage}" + (f" offload {cfg.offload}" if cfg.offload != "none" else "") if use_ds else "")
-        + f"), {plan.parametrization}, lr {plan.lr * plan.lr_mult_matrix:.3g} matrix / "
-        f"{plan.lr * plan.lr_mult_vector:.3g} vector, warmup {plan.warmup_steps} steps, {cfg.precision} on "
-        f"{device.type}; peak {peak / 1e9:,.0f} GFLOP/s per process ({peak_src})")
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+        if self.monitor is not None:
+            self.monitor.stop()
+            self.monitor = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
-    def save(tag_step: int) -> Path:
-        state = {"step": tag_step, "tokens": tokens, "loader": loader.state_dict(), "rng": ckpt.rng_state(),
-                 "world_size": env.world_size, "strategy": env.strategy, "batch_tokens": plan.batch_tokens,
-                 "grad_scaler": scaler.state_dict() if scaler is not None else None}
-        return ckpt.save_checkpoint(ckpt_root, tag_step, unwrap(model) if env.strategy == "ddp" else model,
-                                    None if use_ds else optimizer, state, config_yaml, cfg.keep_last,
-                                    rank=env.rank, barrier=env.barrier, engine=engine)
+    # ---------------------------------------------------------------- one step
+    def train_step(self, state: TrainState, batch_iter) -> StepResult:
+        """Accumulate `grad_accum` micro-batches from `batch_iter`, clip, update; advances `state`."""
+        cfg, plan, strategy, device = self.cfg, self.plan, self.strategy, self.env.device
+        t_start = time.perf_counter()
+        lr = lr_at(state.step, plan.lr, plan.min_lr, plan.warmup_steps, plan.max_steps, cfg.schedule)
+        set_lr(strategy.optimizer, lr)  # per group: lr * lr_mult (the same groups under every strategy)
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(plan.grad_accum):
+            batch = next(batch_iter)
+            check_token_range(batch, self.model_cfg.vocab_size, cfg.train_data_dir)
+            batch = batch.to(device, non_blocking=True)
+            with strategy.no_sync(micro):
+                with self.autocast():
+                    logits = self.forward(strategy.model, batch[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(),
+                                       label_smoothing=cfg.label_smoothing)
+                strategy.backward(loss, micro)
+            loss_sum += loss.detach()  # no .item() here: it would sync the GPU every micro-batch
+        train_loss = self.env.mean(loss_sum.double() / plan.grad_accum)  # the global batch's, on every rank
+        outcome = strategy.clip_and_step(apply=math.isfinite(train_loss))  # the guard: see _on_nonfinite
+        state.step += 1
+        state.tokens += plan.batch_tokens
+        return StepResult(lr=lr, train_loss=train_loss, grad_norm=outcome.grad_norm, applied=outcome.applied,
+                          overflow=outcome.overflow, seconds=time.perf_counter() - t_start)
 
-    def validate_now() -> float:
-        return evaluate(model, val_batches, device, autocast, env, val_pad, val_filler, forward=forward)
+    # ---------------------------------------------------------------- the loop
+    def validate_now(self) -> float:
+        return evaluate(self.strategy.model, self.val_batches, self.env.device, self.autocast, self.env,
+                        self.val_pad, self.val_filler, forward=self.forward)
 
-    if resume_from is None and cfg.eval_iters > 0:  # sanity pass at start: the curve's first point is the init loss
-        val_loss = validate_now()
-        if metrics is not None:
-            metrics.write(step=0, tokens=0, val_loss=val_loss)
-        log(f"step 0: val_loss {val_loss:.4f}")
-    last_step = min(plan.max_steps, cfg.max_steps) if cfg.max_steps else plan.max_steps
-    progress = Progress(last_step, step, enabled=cfg.progress and env.is_main)
-    window_time, window_tokens = 0.0, 0
-    last_saved = step if resume_from is not None else -1
-    accum = plan.grad_accum
-    with _StopFlag() as stop:
-        while step < last_step:
-            t_start = time.perf_counter()
-            lr = lr_at(step, plan.lr, plan.min_lr, plan.warmup_steps, plan.max_steps, cfg.schedule)
-            set_lr(optimizer, lr)  # per group: lr * lr_mult (the same groups under every strategy)
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(accum):
-                batch = next(loader)
-                check_token_range(batch, model_cfg.vocab_size, cfg.train_data_dir)
-                batch = batch.to(device, non_blocking=True)
-                sync = model.no_sync() if env.strategy == "ddp" and micro < accum - 1 else nullcontext()
-                with sync:
-                    with autocast():
-                        logits = forward(model, batch[:, :-1])
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(),
-                                           label_smoothing=cfg.label_smoothing)
-                    if use_ds:
-                        engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
-                        engine.step()  # steps (clip, update) only at the accumulation boundary
-                    elif scaler is not None:
-                        scaler.scale(loss / accum).backward()
-                    else:
-                        (loss / accum).backward()
-                loss_sum += loss.detach()  # no .item() here: it would sync the GPU every micro-batch
-            if use_ds:
-                grad_norm = float(engine.get_global_grad_norm() or 0.0)
-                scale = ds_loss_scale(engine)
-            else:
-                if scaler is not None:
-                    scaler.unscale_(optimizer)
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                    scale = float(scaler.get_scale())
+    def save(self) -> Path:
+        state = self.state
+        train_state = {"step": state.step, "tokens": state.tokens, "loader": self.loader.state_dict(),
+                       "rng": self.checkpoints.rng_state(), "world_size": self.env.world_size,
+                       "strategy": self.env.strategy, "batch_tokens": self.plan.batch_tokens,
+                       "grad_scaler": self.strategy.scaler.state_dict() if self.strategy.scaler is not None else None}
+        self.last_checkpoint = self.checkpoints.save(state.step, self.strategy, train_state, self.config_yaml,
+                                                     self.cfg.keep_last)
+        return self.last_checkpoint
+
+    def _on_nonfinite(self, result: StepResult) -> None:
+        """A step whose loss or gradient norm is not finite: its update was not applied (train_step checks
+        before the optimizer step) and nothing of it is saved. Stop (exit 3), or skip it with --nonfinite skip
+        until more than --nonfinite_max come in a row."""
+        cfg, step = self.cfg, self.state.step
+        what = (f"loss ({result.train_loss})" if not math.isfinite(result.train_loss)
+                else f"gradient norm ({result.grad_norm})")
+        good = f"last good checkpoint: {self.last_checkpoint or 'none (no checkpoint was saved yet)'}"
+        if result.applied:  # only a strategy that updates on its own could (DeepSpeed; it skips such steps)
+            raise NonFiniteError(f"step {step}: non-finite {what} and the update was applied, so the weights are "
+                                 f"not finite now; nothing was saved from this step; {good}")
+        if cfg.nonfinite == "stop":
+            raise NonFiniteError(f"step {step}: non-finite {what}; the update was not applied and nothing was "
+                                 f"saved; {good} (resume with --resume auto, e.g. with a lower --base_hps.eta0, "
+                                 "or train on with --nonfinite skip)")
+        self.nonfinite_in_a_row += 1
+        if self.nonfinite_in_a_row > cfg.nonfinite_max:
+            raise NonFiniteError(f"step {step}: {self.nonfinite_in_a_row} non-finite steps in a row (the last: "
+                                 f"{what}; --nonfinite_max {cfg.nonfinite_max}), giving up; none of them was "
+                                 f"applied; {good}")
+        self.log(f"step {step}: non-finite {what}; update skipped ({self.nonfinite_in_a_row} in a row, at most "
+                 f"{cfg.nonfinite_max})")
+
+    def _report(self, result: StepResult, val_loss: Optional[float], force: bool, window: _Window,
+                progress: Progress) -> None:
+        """A metrics row (and a forced progress line) on log steps; otherwise just the progress bar."""
+        state = self.state
+        if not force:
+            progress.update(state.step, result.train_loss, window.rate())
+            return
+        tok_s = window.rate()
+        if self.metrics is not None:
+            row = dict(step=state.step, tokens=state.tokens, train_loss=result.train_loss, val_loss=val_loss,
+                       lr=result.lr, grad_norm=result.grad_norm, tokens_per_sec=tok_s,
+                       mfu=tok_s * self.plan.flops_per_token / (self.peak * self.env.world_size))
+            if self.cfg.precision == "fp16-mixed":
+                row["loss_scale"] = self.strategy.loss_scale()
+            row.update({f"lr_{g.get('name', i)}": result.lr * g.get("lr_mult", 1.0)
+                        for i, g in enumerate(self.groups)})
+            self.metrics.write(**row)
+        progress.update(state.step, result.train_loss, tok_s, val_loss, force=True)
+        window.reset()
+
+    def fit(self, on_step: Optional[Callable[[int], None]] = None) -> Path:
+        cfg, env, state = self.cfg, self.env, self.state
+        val_loss = None
+        if self.resume_from is None and cfg.eval_iters > 0:  # sanity pass: the curve's first point is the init loss
+            val_loss = self.validate_now()
+            if self.metrics is not None:
+                self.metrics.write(step=0, tokens=0, val_loss=val_loss)
+            self.log(f"step 0: val_loss {val_loss:.4f}")
+        last_step = min(self.plan.max_steps, cfg.max_steps) if cfg.max_steps else self.plan.max_steps
+        progress = Progress(last_step, state.step, enabled=cfg.progress and env.is_main)
+        window = _Window()
+        last_saved = state.step if self.resume_from is not None else -1
+        with _StopFlag() as stop:
+            while state.step < last_step:
+                result = self.train_step(state, self.loader)
+                window.add(result.seconds, self.plan.batch_tokens)
+                if result.finite:
+                    self.nonfinite_in_a_row = 0
                 else:
-                    optimizer.step()
-                    scale = None
-                optimizer.zero_grad(set_to_none=True)
-            step += 1
-            tokens += plan.batch_tokens
-            window_time += time.perf_counter() - t_start
-            window_tokens += plan.batch_tokens
-            train_loss = env.mean(loss_sum.double() / accum)  # the global batch's loss, on every rank
-            if not math.isfinite(train_loss):
-                save(step)
-                raise RuntimeError(f"loss is {train_loss} at step {step}; checkpoint saved for inspection")
-
-            is_last = step == last_step
-            val_loss = None
-            if cfg.eval_iters > 0 and (step % cfg.eval_interval == 0 or is_last):
-                val_loss = validate_now()
-            if step % cfg.log_interval == 0 or is_last or val_loss is not None:
-                tok_s = window_tokens / max(window_time, 1e-9)
-                if metrics is not None:
-                    row = dict(step=step, tokens=tokens, train_loss=train_loss, val_loss=val_loss, lr=lr,
-                               grad_norm=grad_norm, tokens_per_sec=tok_s,
-                               mfu=tok_s * plan.flops_per_token / (peak * env.world_size))
-                    if fp16:
-                        row["loss_scale"] = scale
-                    row.update({f"lr_{g.get('name', i)}": lr * g.get("lr_mult", 1.0) for i, g in enumerate(groups)})
-                    metrics.write(**row)
-                progress.update(step, train_loss, tok_s, val_loss, force=True)
-                window_time, window_tokens = 0.0, 0
-            else:
-                progress.update(step, train_loss, window_tokens / max(window_time, 1e-9))
-            if on_step is not None:
-                on_step(step)
-            stop_requested = env.any(stop.signum is not None)  # all ranks stop at the same step
-            if step % cfg.save_interval == 0 or is_last or stop_requested:
-                save(step)
-                last_saved = step
-            if stop_requested:
-                signum = stop.signum or signal.SIGTERM
-                log(f"{signal.Signals(signum).name}: saved checkpoint at step {step}; resume with --resume auto")
-                close_loggers()
-                env.close()
-                sys.exit(128 + signum)
-    if last_saved != step:
-        save(step)
-    close_loggers()
-    log(f"done: step {step}, {tokens:,} tokens" + (f", val_loss {val_loss:.4f}" if val_loss is not None else "")
-        + f". Run dir: {out_dir}")
-    return out_dir
+                    self._on_nonfinite(result)
+                is_last = state.step == last_step
+                val_loss = None
+                if cfg.eval_iters > 0 and (state.step % cfg.eval_interval == 0 or is_last):
+                    val_loss = self.validate_now()
+                self._report(result, val_loss, state.step % cfg.log_interval == 0 or is_last or val_loss is not None,
+                             window, progress)
+                if on_step is not None:
+                    on_step(state.step)
+                stop_requested = env.any(stop.signum is not None)  # all ranks stop at the same step
+                if state.step % cfg.save_interval == 0 or is_last or stop_requested:
+                    self.save()
+                    last_saved = state.step
+                if stop_requested:
+                    signum = stop.signum or signal.SIGTERM
+                    self.log(f"{signal.Signals(signum).name}: saved checkpoint at step {state.step}; resume with "
+                             "--resume auto")
+                    sys.exit(128 + signum)
+        if last_saved != state.step:
+            self.save()
+        self.log(f"done: step {state.step}, {state.tokens:,} tokens"
+                 + (f", val_loss {val_loss:.4f}" if val_loss is not None else "") + f". Run dir: {self.out_dir}")
+        return self.out_dir
