@@ -295,7 +295,7 @@ def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[
                            cuda=device.type == "cuda")
         universal = None
         if resume_from is not None and ckpt.is_deepspeed_checkpoint(resume_from):
-            saved_world = torch.load(resume_from / "train_state_rank0.pt", weights_only=False).get("world_size", 1)
+            saved_world = ckpt.read_train_state(resume_from).get("world_size", 1)
             if saved_world != env.world_size:  # ZeRO states are partitioned per rank: go through "universal"
                 universal = ckpt_root / f".universal-{resume_from.name}"
                 if env.is_main:

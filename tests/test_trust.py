@@ -1,0 +1,314 @@
+"""Trust: nothing in a checkpoint runs, every file is verified, no good checkpoint is lost, bad input gets one line.
+
+The attacks are the ones a hostile colleague could mail: a checkpoint whose `.metadata` or train state is a pickle
+that runs code when unpickled (here: creates a marker file), with COMPLETE re-sealed so that sizes and checksums
+match. Every entry point that reads a checkpoint (eval, generate, export, pretrain --resume) must refuse it in
+one line without running the payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from archscale.cli import main
+from archscale.errors import UserError
+from archscale.train import checkpoint as ckpt
+from archscale.train import safe_io
+
+from tests.test_train import args, det, rows
+
+
+class Payload:
+    """Unpickling this runs `exec`, which creates `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def reseal(step_dir: Path) -> None:
+    """Rewrite COMPLETE so sizes and sha256 match the (tampered) files: what an attacker would do."""
+    info = json.loads((step_dir / "COMPLETE").read_text())
+    files = {}
+    for p in sorted(step_dir.rglob("*")):
+        if p.is_file() and p.name != "COMPLETE":
+            files[str(p.relative_to(step_dir))] = {"bytes": p.stat().st_size,
+                                                   "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+    info["files"] = files
+    (step_dir / "COMPLETE").write_text(json.dumps(info))
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 6-step run with checkpoints at steps 2, 4 and 6 (and a tokenizer file for generate/eval)."""
+    from tests.conftest import make_dataset
+
+    base = tmp_path_factory.mktemp("trust")
+    data = make_dataset(base / "data")
+    run = base / "run"
+    assert main(args(data, run, "--resume", "none", "--max_steps", "6", "--save_interval", "2",
+                     "--keep_last", "0", "--eval_interval", "2")) == 0
+    return data, run
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path):
+    data, run = trained
+    dst = tmp_path / "run"
+    shutil.copytree(run, dst)
+    return data, dst
+
+
+def step(run: Path, n: int) -> Path:
+    return run / "checkpoints" / ckpt.step_dir_name(n)
+
+
+def test_payload_runs_under_plain_pickle(tmp_path):
+    """Positive control: the payload used below does run when unpickled the ordinary way."""
+    marker = tmp_path / "marker"
+    pickle.loads(pickle.dumps(Payload(marker)))
+    assert marker.read_text() == "ran"
+
+
+def _poison_metadata(d: Path, marker: Path) -> None:
+    (d / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    reseal(d)
+
+
+def _poison_train_state(d: Path, marker: Path) -> None:
+    torch.save({"step": Payload(marker)}, d / ckpt.train_state_name(0))
+    reseal(d)
+
+
+def _entry_points(run: Path, d: Path, tmp_path: Path) -> dict[str, list[str]]:
+    return {
+        "eval": ["eval", "--checkpoint", str(d), "--tasks", "ppl", "--output", str(tmp_path / "res.json")],
+        "generate": ["generate", "--checkpoint", str(d), "--tokenizer", str(tmp_path / "none.json")],
+        "export": ["export", "--checkpoint", str(d), "--out", str(tmp_path / "w.safetensors")],
+    }
+
+
+@pytest.mark.parametrize("poison", [_poison_metadata, _poison_train_state], ids=["dcp_metadata", "train_state"])
+def test_no_entry_point_executes_a_checkpoint(run_copy, tmp_path, capsys, poison):
+    data, run = run_copy
+    marker = tmp_path / "marker"
+    for n in (2, 4, 6):
+        poison(step(run, n), marker)
+    for name, argv in _entry_points(run, step(run, 6), tmp_path).items():
+        assert main(argv) == 2, name
+        line = one_line_error(capsys)
+        assert not marker.exists(), f"{name} executed the payload"
+        assert "not a usable checkpoint" in line or "none of the" in line, (name, line)
+    # resume: an explicit path, and auto with every checkpoint poisoned (exit 2, metrics.csv untouched)
+    metrics = (run / "metrics.csv").read_bytes()
+    assert main(args(data, run, "--resume", str(step(run, 6)))) == 2
+    assert "not a usable checkpoint" in one_line_error(capsys)
+    assert main(args(data, run, "--resume", "auto")) == 2
+    assert "none of the 3 checkpoints is usable" in capsys.readouterr().err
+    assert not marker.exists()
+    assert (run / "metrics.csv").read_bytes() == metrics
+
+
+def test_restricted_unpickler_reads_what_dcp_writes_and_nothing_else(trained, tmp_path):
+    _, run = trained
+    md = safe_io.load_dcp_metadata(step(run, 6) / ".metadata")
+    assert len(md.state_dict_metadata) > 10 and any(k.startswith("model.") for k in md.state_dict_metadata)
+    marker = tmp_path / "marker"
+    bad = tmp_path / "bad.metadata"
+    bad.write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(pickle.UnpicklingError, match="builtins.exec"):
+        safe_io.load_dcp_metadata(bad)
+    assert not marker.exists()
+
+
+def test_dcp_byte_values_are_read_weights_only(tmp_path):
+    """DCP's default planner reads non-tensor values with torch.load(weights_only=False); ours refuses code."""
+    marker = tmp_path / "marker"
+    buf = io.BytesIO()
+    torch.save(Payload(marker), buf)
+    buf.seek(0)
+    planner = safe_io.SafeLoadPlanner()
+    planner.flatten_state_dict = False
+    planner.state_dict = {}
+
+    class Item:
+        class dest_index:
+            fqn = "x"
+
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(Item, buf)
+    assert not marker.exists()
+    ok = io.BytesIO()
+    torch.save({"lr": 0.1, "betas": (0.9, 0.95)}, ok)
+    ok.seek(0)
+    planner.load_bytes(Item, ok)
+    assert planner.state_dict["x"] == {"lr": 0.1, "betas": (0.9, 0.95)}
+
+
+def test_deepspeed_files_are_read_weights_only(trained, tmp_path, capsys):
+    """A DeepSpeed-format step dir whose model states file runs code: export and eval refuse it."""
+    _, run = trained
+    d = tmp_path / "ds" / "checkpoints" / "step-00000002"
+    (d / "deepspeed").mkdir(parents=True)
+    shutil.copy(step(run, 2) / "config.yaml", d / "config.yaml")
+    shutil.copy(step(run, 2) / ckpt.train_state_name(0), d / ckpt.train_state_name(0))
+    marker = tmp_path / "marker"
+    torch.save({"module": Payload(marker)}, d / "deepspeed" / "mp_rank_00_model_states.pt")
+    (d / "COMPLETE").write_text(json.dumps({"step": 2, "files": {}}))
+    reseal(d)
+    assert ckpt.verify_checkpoint(d) is None  # integrity holds: only the content is hostile
+    for name, argv in _entry_points(d.parent.parent, d, tmp_path).items():
+        if name == "generate":
+            continue  # the same loader as export
+        assert main(argv) == 2, name
+        one_line_error(capsys)
+        assert not marker.exists(), f"{name} executed the DeepSpeed payload"
+    with pytest.raises(pickle.UnpicklingError):
+        with safe_io.deepspeed_weights_only():
+            torch.load(d / "deepspeed" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert not marker.exists() and torch.load is not None
+
+
+def test_train_state_round_trips_rng_exactly():
+    torch.manual_seed(3), np.random.seed(4), random.seed(5)
+    np.random.standard_normal()  # leaves a cached gaussian (a float) in numpy's state
+    random.gauss(0, 1)  # and one in python's
+    state = {"step": 7, "tokens": 1 << 40, "rng": ckpt.rng_state(), "loader": {"a": [1, "2", None]},
+             "grad_scaler": {"scale": 65536.0, "growth_factor": 2.0, "_growth_tracker": 3}, "loss": float("nan")}
+    back = safe_io.decode_train_state(safe_io.encode_train_state(state))
+    want = (torch.rand(3), np.random.standard_normal(3), np.random.rand(2), random.random(), random.gauss(0, 1))
+    ckpt.set_rng_state(back["rng"])
+    got = (torch.rand(3), np.random.standard_normal(3), np.random.rand(2), random.random(), random.gauss(0, 1))
+    assert torch.equal(want[0], got[0]) and np.array_equal(want[1], got[1]) and np.array_equal(want[2], got[2])
+    assert want[3:] == got[3:]
+    assert back["grad_scaler"] == state["grad_scaler"] and back["loader"] == state["loader"]
+    assert back["step"] == 7 and back["tokens"] == 1 << 40 and np.isnan(back["loss"])
+    with pytest.raises(UserError, match="not a readable archscale train state"):
+        safe_io.decode_train_state(pickle.dumps({"step": 1}), "x")
+
+
+# ------------------------------------------------------------------------------------------------ integrity
+def test_complete_records_sha256_computed_while_writing(tmp_path, monkeypatch):
+    reads = []
+    real = safe_io.sha256_file
+    monkeypatch.setattr(safe_io, "sha256_file", lambda p: reads.append(Path(p).name) or real(p))
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    d = ckpt.save_checkpoint(tmp_path, 1, model, opt, {"step": 1, "loss": 2.5}, "a: 1\n")
+    assert reads == []  # no file was read back to hash it
+    info = json.loads((d / "COMPLETE").read_text())
+    assert info["finite"] is True and set(info["files"]) == {".metadata", "__0_0.distcp", "config.yaml",
+                                                             ckpt.train_state_name(0)}
+    for name, v in info["files"].items():
+        assert v["sha256"] == hashlib.sha256((d / name).read_bytes()).hexdigest(), name
+        assert v["bytes"] == (d / name).stat().st_size
+
+
+def _flip(path: Path, n: int = 4096) -> None:
+    data = bytearray(path.read_bytes())
+    start = len(data) // 3
+    for i in range(start, min(len(data), start + n)):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_same_size_corruption_is_detected(run_copy, tmp_path, capsys):
+    data, run = run_copy
+    full = tmp_path / "full"
+    assert main(args(data, full, "--resume", "none", "--max_steps", "10", "--save_interval", "2",
+                     "--eval_interval", "2")) == 0
+    capsys.readouterr()
+    _flip(step(run, 6) / "__0_0.distcp")
+    # an explicit path: one line
+    for argv in (["export", "--checkpoint", str(step(run, 6)), "--out", str(tmp_path / "w.safetensors")],
+                 args(data, tmp_path / "other", "--resume", str(step(run, 6)))):
+        assert main(argv) == 2
+        assert "does not match its sha256" in one_line_error(capsys)
+    # auto: skip it with one warning, resume from step 4, end exactly like an uninterrupted run
+    assert main(args(data, run, "--resume", "auto", "--max_steps", "10", "--save_interval", "2",
+                     "--eval_interval", "2")) == 0
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if "skipping checkpoint" in line]
+    assert len(warnings) == 1 and "step-00000006" in warnings[0] and "sha256" in warnings[0]
+    assert "at step 4" in out
+    assert det(run) == det(full)
+
+
+@pytest.mark.parametrize("damage", ["metadata", "train_state", "both_newest"])
+def test_unreadable_newest_falls_back(run_copy, capsys, damage):
+    data, run = run_copy
+    d = step(run, 6)
+    if damage in ("metadata", "both_newest"):
+        (d / ".metadata").write_bytes(b"\x80\x04not a pickle")
+        reseal(d)  # checksums match: only the parse fails
+    if damage in ("train_state", "both_newest"):
+        (d / ckpt.train_state_name(0)).write_bytes(b"{}" * 10)
+        reseal(d)
+    root = run / "checkpoints"
+    warned = []
+    assert ckpt.find_latest(root, warn=warned.append) == step(run, 4)
+    assert len(warned) == 1 and "unreadable" in warned[0]
+
+
+def test_no_usable_checkpoint_is_exit_2_not_a_restart(run_copy, capsys):
+    data, run = run_copy
+    for n in (2, 4, 6):
+        (step(run, n) / ".metadata").write_bytes(b"garbage")  # sizes differ too
+    before = (run / "metrics.csv").read_bytes(), (run / "config.yaml").read_bytes()
+    assert main(args(data, run, "--resume", "auto")) == 2
+    err = capsys.readouterr().err
+    assert "none of the 3 checkpoints is usable" in err
+    assert ((run / "metrics.csv").read_bytes(), (run / "config.yaml").read_bytes()) == before
+    with pytest.raises(UserError, match="none of the 3"):
+        ckpt.find_latest(run / "checkpoints", warn=lambda m: None)
+    assert ckpt.find_latest(run / "nothing_here") is None
+
+
+# ------------------------------------------------------------------------------------------------ keep_last
+def _save(root, n, loss, keep_last):
+    model = torch.nn.Linear(2, 2)
+    return ckpt.save_checkpoint(root, n, model, None, {"step": n, "loss": loss}, "x: 1\n", keep_last=keep_last)
+
+
+def test_keep_last_never_deletes_the_newest_finite_checkpoint(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save(root, 1, 3.0, keep_last=2)
+    _save(root, 2, 2.5, keep_last=2)
+    for n in (3, 4, 5):
+        _save(root, n, float("nan"), keep_last=2)
+    names = [p.name for p in ckpt.complete_checkpoints(root)]
+    assert names == ["step-00000002", "step-00000004", "step-00000005"]  # 2: the newest finite one
+    assert json.loads((root / "step-00000002" / "COMPLETE").read_text())["finite"] is True
+    assert json.loads((root / "step-00000005" / "COMPLETE").read_text())["finite"] is False
+    _save(root, 6, 1.0, keep_last=1)
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000006"]
+
+
+def test_prune_keeps_what_latest_names(tmp_path):
+    root = tmp_path / "checkpoints"
+    for n in (1, 2, 3):
+        _save(root, n, 1.0, keep_last=0)
+    (root / "latest").write_text("step-00000001\n")  # e.g. a user pointed it back by hand
+    deleted = ckpt.prune(root, 1)
+    assert [p.name for p in deleted] == ["step-00000002"]
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000001", "step-00000003"]
