@@ -312,3 +312,34 @@ def test_prune_keeps_what_latest_names(tmp_path):
     deleted = ckpt.prune(root, 1)
     assert [p.name for p in deleted] == ["step-00000002"]
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step-00000001", "step-00000003"]
+
+
+# ------------------------------------------------------------------------------------------------ input checks
+def _set_header_code(path: Path, code: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[15] = code  # b"LITPKDS" + uint64 version, then the dtype code
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("code,name", [(1, "uint8"), (2, "int8"), (6, "float32")])
+def test_shard_header_dtype_must_match_the_manifest(tmp_path, capsys, code, name):
+    from tests.conftest import make_dataset
+
+    data = make_dataset(tmp_path / "data")
+    shard = data / "train_0000000001.bin"
+    _set_header_code(shard, code)
+    assert main(args(data, tmp_path / "run", "--resume", "none")) == 2
+    line = one_line_error(capsys)
+    assert str(shard) in line and name in line and "uint16" in line and "truncated" not in line, line
+    assert not (tmp_path / "run" / "metrics.csv").exists()
+
+
+def test_float_header_is_not_called_truncated(tmp_path):
+    from archscale.data.format import read_header, write_shard
+
+    p = tmp_path / "x.bin"
+    write_shard(p, np.arange(10), np.uint16)
+    _set_header_code(p, 6)
+    with pytest.raises(UserError, match="float32; token shards hold integer ids") as e:
+        read_header(p)
+    assert "truncated" not in str(e.value)
