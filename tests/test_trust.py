@@ -23,7 +23,10 @@ import torch
 from archscale.cli import main
 from archscale.errors import UserError
 from archscale.train import checkpoint as ckpt
-from archscale.train import safe_io
+try:
+    from archscale.train import safe_io
+except ImportError:  # lets this file run against older code, to watch each test fail there
+    safe_io = None
 
 from tests.test_train import args, det, rows
 
@@ -98,10 +101,21 @@ def _poison_train_state(d: Path, marker: Path) -> None:
     reseal(d)
 
 
+def tiny_tokenizer(folder: Path) -> Path:
+    from archscale.data.tokenizer import train_bpe
+
+    path = folder / "tok.json"
+    if not path.exists():
+        corpus = folder / "tok_corpus.txt"
+        corpus.write_text("some words and more words\n" * 100)
+        train_bpe([str(corpus)], 300, str(path))
+    return path
+
+
 def _entry_points(run: Path, d: Path, tmp_path: Path) -> dict[str, list[str]]:
     return {
         "eval": ["eval", "--checkpoint", str(d), "--tasks", "ppl", "--output", str(tmp_path / "res.json")],
-        "generate": ["generate", "--checkpoint", str(d), "--tokenizer", str(tmp_path / "none.json")],
+        "generate": ["generate", "--checkpoint", str(d), "--tokenizer", str(tiny_tokenizer(tmp_path))],
         "export": ["export", "--checkpoint", str(d), "--out", str(tmp_path / "w.safetensors")],
     }
 
@@ -268,6 +282,10 @@ def test_unreadable_newest_falls_back(run_copy, capsys, damage):
     warned = []
     assert ckpt.find_latest(root, warn=warned.append) == step(run, 4)
     assert len(warned) == 1 and "unreadable" in warned[0]
+    capsys.readouterr()
+    assert main(args(data, run, "--resume", "auto", "--max_steps", "6", "--save_interval", "2")) == 0
+    out = capsys.readouterr().out
+    assert "at step 4" in out and "skipping checkpoint" in out
 
 
 def test_no_usable_checkpoint_is_exit_2_not_a_restart(run_copy, capsys):
@@ -343,3 +361,158 @@ def test_float_header_is_not_called_truncated(tmp_path):
     with pytest.raises(UserError, match="float32; token shards hold integer ids") as e:
         read_header(p)
     assert "truncated" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------ one line, not a traceback
+def test_full_disk_during_a_save_is_one_line_and_keeps_the_last_checkpoint(dataset, tmp_path, capsys, monkeypatch):
+    import errno
+
+    run = tmp_path / "run"
+    assert main(args(dataset, run, "--resume", "none", "--max_steps", "4", "--save_interval", "2")) == 0
+    real = safe_io._HashingStream.write
+
+    def full(self, b):
+        raise OSError(errno.ENOSPC, "No space left on device", str(getattr(self.raw, "name", "?")))
+
+    monkeypatch.setattr(safe_io._HashingStream, "write", full)
+    assert main(args(dataset, run, "--resume", "auto", "--max_steps", "6", "--save_interval", "2")) == 2
+    line = one_line_error(capsys)
+    assert "No space left on device" in line and "--resume auto" in line
+    monkeypatch.setattr(safe_io._HashingStream, "write", real)
+    assert ckpt.find_latest(run / "checkpoints") == step(run, 4)  # the last good state is intact
+
+
+def test_full_disk_in_prepare_is_one_line(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from archscale.data import format as shard_format
+    from archscale.data.tokenizer import train_bpe
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("hello world, a small corpus of words\n" * 200)
+    train_bpe([str(corpus)], 300, str(tmp_path / "tok.json"))
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "x.bin.tmp"))
+
+    monkeypatch.setattr(shard_format, "write_shard", full)
+    monkeypatch.setattr("archscale.data.format.ShardWriter._flush",
+                        lambda self: full() if self._fill else None)
+    assert main(["prepare", "--input", str(corpus), "--output_dir", str(tmp_path / "out"), "--tokenizer",
+                 str(tmp_path / "tok.json"), "--num_workers", "1"]) == 2
+    assert "No space left on device" in one_line_error(capsys)
+
+
+def _unwritable(tmp_path) -> Path:
+    """A path that cannot be created, even by root: its parent is a regular file."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    return blocker / "sub"
+
+
+def test_unwritable_outputs_fail_before_the_work(trained, tmp_path, capsys, monkeypatch):
+    data, run = trained
+    from archscale.data.tokenizer import train_bpe
+
+    bad = _unwritable(tmp_path)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("some words and more words\n" * 100)
+    train_bpe([str(corpus)], 300, str(tmp_path / "tok.json"))
+    called = []
+    monkeypatch.setattr("archscale.data.tokenizer.train_bpe", lambda *a, **k: called.append("bpe"))
+    monkeypatch.setattr("archscale.eval.loading.load_eval_model", lambda *a, **k: called.append("eval"))
+    cases = [
+        ["tokenizer", "train", "--input", str(corpus), "--vocab_size", "300", "--out", str(bad / "tok.json")],
+        ["eval", "--checkpoint", str(run), "--tasks", "ppl", "--output", str(bad / "r.json")],
+        ["prepare", "--input", str(corpus), "--output_dir", str(bad), "--tokenizer", str(tmp_path / "tok.json")],
+        args(data, bad, "--resume", "none"),
+    ]
+    for argv in cases:
+        assert main(argv) == 2, argv[0]
+        line = one_line_error(capsys)
+        assert str(bad) in line or "blocker" in line, line
+    assert called == []
+
+
+def test_negative_learning_rate_and_other_hps(dataset, tmp_path, capsys):
+    for flag, value in (("--base_hps.eta0", "-1e-3"), ("--base_hps.b0", "0"), ("beta2_0", "1.5")):
+        assert main(args(dataset, tmp_path / "r", flag if flag.startswith("--") else f"--base_hps.{flag}",
+                         value)) == 2
+        assert flag in one_line_error(capsys)
+
+
+def test_generate_checks_its_options_and_the_tokenizer_vocab(trained, tmp_path, capsys):
+    from archscale.data.tokenizer import train_bpe
+
+    _, run = trained
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(" ".join(f"w{i}" for i in range(3000)))
+    train_bpe([str(corpus)], 400, str(tmp_path / "big.json"))  # the model embeds 256 ids
+    base = ["generate", "--checkpoint", str(run), "--tokenizer", str(tmp_path / "big.json")]
+    for extra, expect in ((["--max_new_tokens", "-3"], "--max_new_tokens must be >= 0"),
+                          (["--temperature", "-1"], "--temperature must be >= 0"),
+                          (["--top_p", "1.5"], "--top_p"),
+                          ([], "tokens but the model embeds only 256")):
+        assert main(base + extra) == 2
+        assert expect in one_line_error(capsys)
+
+
+def test_pretrain_flag_errors_are_one_line(dataset, tmp_path, capsys):
+    assert main(args(dataset, tmp_path / "r", "--bogus_flag", "1")) == 2
+    line = one_line_error(capsys)
+    assert "bogus_flag" in line and "see archscale pretrain --help" in line
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("depht: 2\n")
+    assert main(args(dataset, tmp_path / "r", "--config", str(cfg))) == 2
+    assert "depht" in one_line_error(capsys)
+    assert main(args(dataset, tmp_path / "r", "--depth", "two")) == 2
+    assert "depth" in one_line_error(capsys)
+
+
+def test_every_pretrain_flag_has_help():
+    from archscale.cli import pretrain_parser
+
+    p = pretrain_parser()
+    missing = [a.option_strings[0] for a in p._actions if a.option_strings and not (a.help or "").strip()]
+    assert missing == []
+    helps = {a.dest: a.help for a in p._actions}
+    assert "base learning rate" in helps["base_hps.eta0"] and "sequence length" in helps["ctx_len"]
+
+
+def test_sweep_dry_run_reports_the_failing_runs_error(dataset, tmp_path, capsys):
+    import yaml
+
+    study = tmp_path / "s.yaml"
+    study.write_text(yaml.safe_dump({"name": "t", "out_dir": str(tmp_path / "out"),
+                                     "base": {"train_data_dir": str(dataset), "train_model": "transformer",
+                                              "dpeth": 1, "vocab_size": 256},
+                                     "grid": {"base_hps.eta0": [1e-3]}}))
+    assert main(["sweep", str(study), "--dry_run"]) == 2
+    line = one_line_error(capsys)
+    assert "dpeth" in line and "run " in line, line
+
+
+def test_misleading_messages_are_fixed(tmp_path, capsys):
+    from archscale.data.sources import iter_texts
+
+    assert main(args(tmp_path / "no_such_dir", tmp_path / "r", "--resume", "none")) == 2
+    line = one_line_error(capsys)
+    assert "no such folder" in line and "--vocab_size" not in line
+    bad = tmp_path / "x.jsonl"
+    bad.write_text('{"text": "abc\n')
+    with pytest.raises(UserError) as e:
+        for _ in iter_texts(bad):
+            pass
+    assert "at at" not in str(e.value) and "column" in str(e.value)
+
+
+def test_eval_ppl_needs_no_tokenizer(trained, tmp_path, capsys):
+    _, run = trained  # its data manifest names no tokenizer
+    out = tmp_path / "r.json"
+    assert main(["eval", "--checkpoint", str(run), "--tasks", "ppl", "--output", str(out),
+                 "--extrapolation", "1", "--ppl_max_batches", "1", "--device", "cpu"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["tokenizer"] is None and doc["results"]["ppl"]["validation"]["1x"]["loss"] > 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--tasks", "phonebook", "--output", str(out)]) == 2
+    assert "--tokenizer" in one_line_error(capsys)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 from archscale.errors import UserError
@@ -36,15 +38,28 @@ def explicit_flags(argv: Sequence[str]) -> set[str]:
     return {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
 
 
+def one_line(message: str, limit: int = 400) -> str:
+    text = " ".join(str(message).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def pretrain_parser():
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    from archscale.train.config import PretrainConfig
+    from archscale.train.config import PretrainConfig, field_help
 
-    p = ArgumentParser(prog="archscale pretrain", description="Pretrain a language model on LITPKDS shards.",
-                       default_env=False)
+    class Parser(ArgumentParser):
+        def error(self, message, ex=None):  # one line + a pointer, instead of the whole usage
+            raise UserError(f"archscale pretrain: {one_line(message)} (see archscale pretrain --help)")
+
+    p = Parser(prog="archscale pretrain", description="Pretrain a language model on LITPKDS shards.",
+               default_env=False)
     p.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the flags below")
     p.add_class_arguments(PretrainConfig, nested_key=None, as_group=False)
+    helps = field_help()
+    for action in p._actions:  # the dataclass comments are the flags' help (jsonargparse reads docstrings only)
+        if not action.help and action.dest in helps:
+            action.help = helps[action.dest]
     return p
 
 
@@ -115,6 +130,13 @@ def cmd_tokenizer(argv: list[str]) -> int:
     t.add_argument("--vocab_size", type=int, required=True)
     t.add_argument("--out", required=True, help="output tokenizer.json")
     a = p.parse_args(argv)
+    from archscale.outputs import writable_dir, writable_file
+
+    out = Path(a.out)
+    if out.is_dir() or str(a.out).endswith(os.sep):
+        writable_dir(out, "--out")
+    else:
+        writable_file(out, "--out")
     tok = train_bpe(a.input, a.vocab_size, a.out)
     print(f"wrote {a.out}: vocab {tok.vocab_size}, eos id {tok.eos_id}")
     return 0
@@ -136,10 +158,25 @@ def cmd_generate(argv: list[str]) -> int:
     a = p.parse_args(argv)
     from archscale.data.tokenizer import Tokenizer
 
+    check_generate_args(a)
+    tok = Tokenizer(a.tokenizer)
     model, _ = load_model(a.checkpoint)
-    print(generate_text(model, Tokenizer(a.tokenizer), a.prompt, a.max_new_tokens, a.temperature, a.top_k or None,
+    if tok.vocab_size > model.config.padded_vocab_size:
+        raise UserError(f"--tokenizer {a.tokenizer} has {tok.vocab_size} tokens but the model embeds only "
+                        f"{model.config.vocab_size}; pass the tokenizer the run was trained with")
+    print(generate_text(model, tok, a.prompt, a.max_new_tokens, a.temperature, a.top_k or None,
                         a.seed, top_p=a.top_p))
     return 0
+
+
+def check_generate_args(a) -> None:
+    checks = [(a.max_new_tokens >= 0, f"--max_new_tokens must be >= 0, got {a.max_new_tokens}"),
+              (a.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {a.temperature}"),
+              (a.top_k >= 0, f"--top_k must be >= 0 (0 = off), got {a.top_k}"),
+              (a.top_p is None or 0 < a.top_p <= 1, f"--top_p must be in (0, 1], got {a.top_p}")]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
 
 
 @command("export", "consolidate any checkpoint (DCP shards or DeepSpeed ZeRO) into one safetensors file")
@@ -225,6 +262,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BaseException as e:  # a full disk or a read-only path is the environment, not a bug: one line
+        from archscale.outputs import environment_error, os_error_line
+
+        found = environment_error(e) if not isinstance(e, SystemExit) else None
+        if found is None:
+            raise
+        print(f"error: {os_error_line(found)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

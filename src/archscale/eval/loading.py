@@ -102,8 +102,9 @@ def resolve_tokenizer(run_dir: Path | None, run_cfg: dict, override: str | None)
 
 
 def load_eval_model(checkpoint: str | Path, device: str | torch.device | None = None, tokenizer: str | None = None,
-                    precision: str = "fp32") -> EvalModel:
-    """Resolve a run dir / checkpoints dir / step dir and load everything evaluation needs."""
+                    precision: str = "fp32", need_tokenizer: bool = True) -> EvalModel:
+    """Resolve a run dir / checkpoints dir / step dir and load everything evaluation needs. With
+    `need_tokenizer=False` a run that records no tokenizer gets `tokenizer=None` instead of an error."""
     from archscale.eval.generate import resolve_checkpoint
     from archscale.models.model import GPT
     from archscale.train import checkpoint as ckpt
@@ -139,7 +140,13 @@ def load_eval_model(checkpoint: str | Path, device: str | torch.device | None = 
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(dev).eval()
     run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else step_dir.parent
-    tok = resolve_tokenizer(run_dir, run_cfg, tokenizer)
+    try:
+        tok = resolve_tokenizer(run_dir, run_cfg, tokenizer)
+    except UserError:
+        if need_tokenizer or tokenizer:
+            raise
+        return EvalModel(model=model, tokenizer=None, train_len=model_cfg.block_size, step_dir=step_dir,
+                         run_dir=run_dir, run_cfg=run_cfg, device=dev, precision=precision)
     if tok.vocab_size > model_cfg.padded_vocab_size:
         raise UserError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but the model only {model_cfg.vocab_size}; "
                         "pass the tokenizer the run was trained with")

@@ -24,7 +24,10 @@ def dry_run_plans(study: Study) -> list[dict]:
     for r in study.runs:
         buf, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
-            rc = main(["pretrain", *r.args(), "--dry_run=true"])
+            try:
+                rc = main(["pretrain", *r.args(), "--dry_run=true"])
+            except SystemExit as e:  # a parser that exits still reports: its message is in `err`
+                rc = e.code if isinstance(e.code, int) else 2
         if rc != 0:
             raise UserError(f"run {r.name}: pretrain --dry_run failed: "
                             f"{err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else rc}")

@@ -85,7 +85,9 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
     vocab = cfg.vocab_size or preset.get("vocab_size") or (manifest or {}).get("vocab_size") or default_vocab
     tie = cfg.tie_embeddings or ("tie_embeddings" not in explicit and preset.get("tie_embeddings", False))
     if not vocab:
-        raise UserError(f"{cfg.train_data_dir} has no manifest.json to read the vocab size from; pass --vocab_size")
+        raise UserError(f"--train_data_dir {cfg.train_data_dir}: no such folder; run `archscale prepare` first"
+                        if not Path(cfg.train_data_dir).is_dir() else
+                        f"{cfg.train_data_dir} has no manifest.json to read the vocab size from; pass --vocab_size")
     if manifest and manifest.get("vocab_size", 0) > vocab:
         raise UserError(f"{cfg.train_data_dir}/manifest.json: data vocab {manifest['vocab_size']} > --vocab_size "
                         f"{vocab}; the model cannot embed those token ids (drop --vocab_size or raise it)")
@@ -348,8 +350,8 @@ def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[
         saved_batch = state.get("batch_tokens", plan.batch_tokens)
         if saved_batch != plan.batch_tokens:
             raise UserError(f"--resume {resume_from}: it was trained with {saved_batch}-token batches, this run "
-                            f"makes {plan.batch_tokens} (the world size changes how --base_hps.b0 is rounded); "
-                            "pick --micro_bsz/--base_hps.b0 so that both world sizes give the same batch")
+                            f"makes {plan.batch_tokens} (from --base_hps.b0, --micro_bsz, --ctx_len and the world "
+                            "size); resume with the settings that give the same batch")
         loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
         if scaler is not None and state.get("grad_scaler"):
