@@ -55,6 +55,7 @@ class PretrainConfig:
     progress: bool = True  # console progress bar
     logger: str = "csv"  # csv,tensorboard,wandb (comma-separated); W&B is offline without WANDB_API_KEY
     monitor_interval: float = 0.0  # seconds between system samples (CPU %, RAM, per-GPU util/mem/temp); 0 = off
+    monitor_console: bool = False  # also print each system sample on the console (default: system.csv/loggers only)
     wandb_project: str = "archscale"  # W&B project (with --logger wandb)
     dry_run: bool = False  # print the fully resolved plan as JSON and exit (no data needed with --vocab_size)
 

@@ -365,7 +365,7 @@ def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[
     metrics = Loggers(out_dir, cfg.logger, resume_step=step if resume_from is not None else None, extra=extra_cols,
                       config={**wb_config, "plan": dataclasses.asdict(plan)}, run_name=plan.run_name,
                       project=cfg.wandb_project, tags=wb_tags) if env.is_main else None
-    monitor = (SystemMonitor(metrics, cfg.monitor_interval, console=log).start()
+    monitor = (SystemMonitor(metrics, cfg.monitor_interval, console=log if cfg.monitor_console else None).start()
                if metrics is not None and cfg.monitor_interval > 0 else None)
 
     def close_loggers() -> None:
