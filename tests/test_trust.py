@@ -516,3 +516,78 @@ def test_eval_ppl_needs_no_tokenizer(trained, tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(run), "--tasks", "phonebook", "--output", str(out)]) == 2
     assert "--tokenizer" in one_line_error(capsys)
+
+
+# ------------------------------------------------------------------------------------------------ prepare workers
+_PREPARE_SCRIPT = """
+import sys
+from archscale.data import prepare as prep
+if __name__ == "__main__":  # the workers are spawned: they import this file
+    prep.UNIT_BYTES = 1 << 15  # many small units, so the kill lands while workers are busy
+    prep.prepare(sys.argv[1].split(","), sys.argv[2], sys.argv[3], chunk_size=4096, num_workers=2, progress=False)
+"""
+
+
+def _workers_of(proc) -> list:
+    return [c for c in proc.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+
+
+def _gone(p) -> bool:
+    import psutil
+
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.slow
+def test_kill_9_of_prepare_takes_its_workers_and_a_rerun_is_identical(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    rng = random.Random(0)
+    words = "the of and model data token layer attention state space train loss".split()
+    inputs = []
+    for i in range(24):
+        p = tmp_path / "in" / f"doc{i:02d}.txt"
+        p.parent.mkdir(exist_ok=True)
+        p.write_text(" ".join(rng.choice(words) for _ in range(12000)))
+        inputs.append(str(p))
+    tok = tiny_tokenizer(tmp_path)
+    script = tmp_path / "prep.py"
+    script.write_text(_PREPARE_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    cmd = [sys.executable, str(script), ",".join(inputs)]
+    killed = tmp_path / "killed"
+    parent = subprocess.Popen(cmd + [str(killed), str(tok)], env=env)
+    proc = psutil.Process(parent.pid)
+    deadline = time.time() + 60
+    while len(_workers_of(proc)) < 2 and time.time() < deadline and parent.poll() is None:
+        time.sleep(0.05)
+    workers = _workers_of(proc)
+    assert len(workers) == 2, "the workers never started"
+    time.sleep(1.0)  # let them tokenize and write
+    assert parent.poll() is None, "prepare finished before the kill; make the input bigger"
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 5
+    while not all(_gone(w) for w in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    alive = [w.pid for w in workers if not _gone(w)]
+    for pid in alive:  # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert alive == [], "workers outlived their parent"
+    # the re-run finishes the job; its shards equal an uninterrupted run's, byte for byte
+    assert subprocess.run(cmd + [str(killed), str(tok)], env=env).returncode == 0
+    assert subprocess.run(cmd + [str(tmp_path / "clean"), str(tok)], env=env).returncode == 0
+    names = sorted(p.name for p in (tmp_path / "clean").glob("*.bin"))
+    assert names and names == sorted(p.name for p in killed.glob("*.bin"))
+    for n in names:
+        assert (killed / n).read_bytes() == (tmp_path / "clean" / n).read_bytes(), n
+    assert not list(killed.glob("*.tmp"))
