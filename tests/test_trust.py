@@ -141,6 +141,31 @@ def test_no_entry_point_executes_a_checkpoint(run_copy, tmp_path, capsys, poison
     assert (run / "metrics.csv").read_bytes() == metrics
 
 
+def test_dcp_byte_item_payload_is_refused_on_resume(run_copy, tmp_path, capsys):
+    """DCP stores non-tensor values (an optimizer's param-group settings) as pickled byte items, which its default
+    planner reads with weights_only=False: point one at a payload appended to the shard."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    data, run = run_copy
+    d = step(run, 6)
+    marker = tmp_path / "marker"
+    md = safe_io.load_dcp_metadata(d / ".metadata")
+    key = next(k for k in md.storage_data if k.fqn == "optim.param_groups.0.lr_mult")
+    buf = io.BytesIO()
+    torch.save(Payload(marker), buf)
+    shard = d / md.storage_data[key].relative_path
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(buf.getvalue())
+    md.storage_data[key] = _StorageInfo(md.storage_data[key].relative_path, offset, len(buf.getvalue()))
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    reseal(d)
+    assert ckpt.verify_checkpoint(d) is None  # consistent, readable metadata: only the value is hostile
+    assert main(args(data, tmp_path / "other", "--resume", str(d))) == 2
+    assert "refused to unpickle" in one_line_error(capsys)
+    assert not marker.exists()
+
+
 def test_restricted_unpickler_reads_what_dcp_writes_and_nothing_else(trained, tmp_path):
     _, run = trained
     md = safe_io.load_dcp_metadata(step(run, 6) / ".metadata")

@@ -263,8 +263,8 @@ def verify_checkpoint(path: Path) -> str | None:
         if not is_deepspeed_checkpoint(path):
             safe_io.load_dcp_metadata(path / ".metadata")
         read_train_state(path, 0)
-    except (UserError, OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
-        return f"unreadable: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    except Exception as e:  # noqa: BLE001 - untrusted bytes: any failure to parse means unreadable
+        return f"unreadable: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
     _VERIFIED[key] = _signature(path, expected)
     return None
 
@@ -327,15 +327,26 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         raise UserError(f"{path}: not a usable checkpoint ({reason}); pass a checkpoints/step-* dir")
     try:
         _load_states(path, model, optimizer, engine, ds_universal)
-    except pickle.UnpicklingError as e:  # a class outside the allowlists: refused, never executed
-        raise UserError(f"{path}: not a usable checkpoint (refused to unpickle it: {_unpickling_reason(e)})") from None
+    except BaseException as e:  # noqa: BLE001 - DCP wraps a rank's error in CheckpointException (a BaseException)
+        refused = _unpickling_error(e)
+        if refused is None:
+            raise
+        raise UserError(f"{path}: not a usable checkpoint (refused to unpickle it: {refused})") from None
     return read_train_state(path, rank, warn)
 
 
-def _unpickling_reason(e: Exception) -> str:
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+def _unpickling_error(e: BaseException) -> str | None:
+    """The reason line when `e` is (or wraps) a refused unpickling: a class outside the allowlists."""
+    inner = e
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) else first
+    if not isinstance(inner, pickle.UnpicklingError):
+        return None
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
     told = [line for line in lines if "Unsupported global" in line or "refusing" in line]
-    return (told or lines or [type(e).__name__])[0][:200]
+    return (told or lines or [type(inner).__name__])[0][:200]
 
 
 def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, engine: Any,
