@@ -263,6 +263,21 @@ def test_complete_records_sha256_computed_while_writing(tmp_path, monkeypatch):
         assert v["bytes"] == (d / name).stat().st_size
 
 
+def test_hashing_stream_falls_back_to_a_reread_after_a_seek(tmp_path):
+    fs = safe_io.HashingFileSystem()
+    with fs.create_stream(tmp_path / "a", "wb") as f:
+        f.write(b"hello ")
+        f.write(memoryview(b"world"))
+    with fs.create_stream(tmp_path / "b.tmp", "wb") as f:
+        f.write(b"xxxx")
+        f.seek(0)
+        f.write(b"y")
+    fs.rename(tmp_path / "b.tmp", tmp_path / "b")
+    assert fs.digests[str(tmp_path / "a")] == hashlib.sha256(b"hello world").hexdigest()
+    assert fs.digests[str(tmp_path / "b")] is None  # not front to back: the sealer hashes it from disk
+    assert (tmp_path / "b").read_bytes() == b"yxxx"
+
+
 def _flip(path: Path, n: int = 4096) -> None:
     data = bytearray(path.read_bytes())
     start = len(data) // 3

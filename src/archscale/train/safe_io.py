@@ -185,11 +185,12 @@ class _HashingStream(io.RawIOBase):
         return True
 
     def write(self, b) -> int:
-        n = self.raw.write(b)
+        n = self.raw.write(b)  # a buffered file writes everything (returns len(b))
+        mv = memoryview(b).cast("B")
+        n = len(mv) if n is None else n
         if self.sequential:
-            mv = memoryview(b).cast("B")
-            self.sha.update(mv[:n] if n is not None else mv)
-        self.pos += len(memoryview(b).cast("B")) if n is None else n
+            self.sha.update(mv[:n])
+        self.pos += n
         return n
 
     def seek(self, offset, whence=0):
@@ -247,7 +248,7 @@ class HashingFileSystem(FileSystem):
 # ---------------------------------------------------------------------------------------------- DeepSpeed
 def _deepspeed_globals() -> list:
     """The non-tensor classes DeepSpeed (0.1x) stores in its model/optimizer state files."""
-    out: list = [collections.OrderedDict, collections.defaultdict, set, frozenset, slice, dict, list, tuple]
+    out: list = [collections.OrderedDict, collections.defaultdict, set, frozenset]
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         out += [LossScaler, DynamicLossScaler]
@@ -261,10 +262,6 @@ def _deepspeed_globals() -> list:
     try:
         from deepspeed.utils.tensor_fragment import fragment_address
         out.append(fragment_address)
-    except Exception:
-        pass
-    try:
-        from deepspeed.checkpoint.constants import PARAM_SHAPES  # noqa: F401
     except Exception:
         pass
     return out
