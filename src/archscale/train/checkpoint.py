@@ -286,14 +286,16 @@ def find_latest(root: Path, warn: Callable[[str], None] = print) -> Path | None:
     other with a one-line warning. None when there are no checkpoints; a UserError when there are some but none
     is usable (starting over would silently discard the run)."""
     dirs = step_dirs(root)
+    newest_reason = None
     for p in reversed(dirs):
         reason = verify_checkpoint(p)
         if reason is None:
             return p
+        newest_reason = newest_reason or f"{p.name}: {reason}"
         warn(f"warning: skipping checkpoint {p}: {reason}")
     if dirs:
-        raise UserError(f"{root}: none of the {len(dirs)} checkpoints is usable (see the warnings above); move them "
-                        "away to start over, or pass --resume PATH of a good copy")
+        raise UserError(f"{root}: none of the {len(dirs)} checkpoints is usable (newest {newest_reason}); move them "
+                        "away to start over, or use a good copy")
     return None
 
 
