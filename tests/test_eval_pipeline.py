@@ -35,11 +35,15 @@ def run(tmp_path_factory):
 
 
 def rewrite_config(step, cfg):
-    """Edit a checkpoint's config.yaml and keep its COMPLETE marker's recorded size in step."""
+    """Edit a checkpoint's config.yaml and keep its COMPLETE marker's recorded size and sha256 in step (an
+    internally consistent checkpoint whose config no longer fits its weights)."""
+    import hashlib
+
     (step / "config.yaml").write_text(yaml.safe_dump(cfg))
     marker = json.loads((step / "COMPLETE").read_text())
     if "config.yaml" in marker.get("files", {}):
-        marker["files"]["config.yaml"] = (step / "config.yaml").stat().st_size
+        data = (step / "config.yaml").read_bytes()
+        marker["files"]["config.yaml"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         (step / "COMPLETE").write_text(json.dumps(marker))
 
 
@@ -141,16 +145,17 @@ def test_one_line_errors(run, tmp_path, capsys, case):
             rewrite_config(step, cfg)
         elif case == "no_config":
             (step / "config.yaml").unlink()
-        else:
+        else:  # the tokenizer comes from the data manifest; ppl on shards needs none, phonebook does
             cfg["pretrain"]["train_data_dir"] = str(tmp_path / "gone")
             rewrite_config(step, cfg)
+            tasks = "phonebook"
         ckpt = copy
     assert main(["eval", "--checkpoint", str(ckpt), "--tasks", tasks, "--output", str(out), *extra]) == 2
     errs = error_line(capsys)
     assert len(errs) == 1 and "\n" not in errs[0]
     expect = {"missing": "no such file", "unknown_task": "unknown task 'bogus'",
               "unknown_lm_eval_task": "no_such_task_anywhere", "too_long": "--extrapolation 8x",
-              "mismatch": "do not match its saved config (ValueError: Size mismatch", "no_config": "no complete checkpoint found",
+              "mismatch": "do not match its saved config (ValueError: Size mismatch", "no_config": "missing file config.yaml",
               "no_tokenizer": "--tokenizer"}[case]
     assert expect in errs[0], errs[0]
     assert not out.exists()

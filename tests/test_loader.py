@@ -220,7 +220,7 @@ def test_load_state_dict_reads_no_data(tmp_path, monkeypatch):
     calls = Counter()
     real_open, real_header = shard_format.open_shard, shard_format.read_header
     monkeypatch.setattr(shard_format, "open_shard", lambda p: (calls.update(["open"]), real_open(p))[1])
-    monkeypatch.setattr(shard_format, "read_header", lambda p: (calls.update(["header"]), real_header(p))[1])
+    monkeypatch.setattr(shard_format, "read_header", lambda *a: (calls.update(["header"]), real_header(*a))[1])
     opens = {}
     for name, sd, ref in (("far", sd_far, far), ("near", sd_near, near)):
         resumed = make()

@@ -133,7 +133,9 @@ def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
     assert by_step[0]["val/loss"] == 5.0 and "train/loss" not in by_step[0]
 
 
-def test_system_monitor_psutil_and_proc_fallback(tmp_path):
+def test_system_monitor_samples_into_system_csv(tmp_path):
+    import psutil
+
     samples = []
     mon = SystemMonitor(samples.append, interval=0.05).start()
     time.sleep(0.4)
@@ -141,13 +143,9 @@ def test_system_monitor_psutil_and_proc_fallback(tmp_path):
     assert len(samples) >= 2
     s = samples[-1]
     assert 0.0 <= s["system/cpu_percent"] <= 100.0 and 0 < s["system/ram_percent"] < 100
-    assert s["system/ram_total_gb"] > 0 and s["system/process_rss_gb"] > 0
-    fallback = SystemMonitor(samples.append, interval=1, use_psutil=False)  # /proc only
-    time.sleep(0.05)
-    f = fallback.collect()
-    assert 0.0 <= f["system/cpu_percent"] <= 100.0
-    assert f["system/ram_total_gb"] == pytest.approx(s["system/ram_total_gb"], rel=0.01)
-    # into Loggers: a system.csv row per sample
+    assert s["system/ram_total_gb"] == pytest.approx(psutil.virtual_memory().total / 1024 ** 3)
+    assert s["system/process_rss_gb"] > 0
+    # into Loggers: a system.csv row per sample; the console only when asked
     log = Loggers(tmp_path, "csv")
     log.write(step=5, train_loss=1.0)
     lines = []
@@ -156,6 +154,34 @@ def test_system_monitor_psutil_and_proc_fallback(tmp_path):
     assert lines and lines[0].startswith("[system] CPU")
     rows = list(csv.DictReader(open(tmp_path / "system.csv")))
     assert len(rows) == 1 and rows[0]["step"] == "5" and float(rows[0]["system/ram_percent"]) > 0
+
+
+def test_system_monitor_is_quiet_and_logs_one_tensorboard_point_per_step(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = Loggers(tmp_path, "csv,tensorboard")
+    mon = SystemMonitor(log, interval=1)  # no console
+    for step in (1, 2, 3):
+        log.write(step=step, train_loss=1.0)
+        for _ in range(4):  # a monitor faster than the steps
+            mon.sample()
+    log.close()
+    assert capsys.readouterr().out == ""
+    assert len(list(csv.DictReader(open(tmp_path / "system.csv")))) == 12  # every sample, with its time
+    ea = EventAccumulator(str(tmp_path / "tb"))
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("system/cpu_percent")] == [1, 2, 3]  # not more points than steps
+
+
+def test_pretrain_keeps_the_monitor_off_the_console(dataset, tmp_path, capsys):
+    from archscale.cli import main
+    from tests.test_train import args
+
+    run = tmp_path / "run"
+    assert main(args(dataset, run, "--resume", "none", "--max_steps", "3", "--monitor_interval", "0.01")) == 0
+    out = capsys.readouterr().out
+    assert "[system]" not in out
+    assert len(list(csv.DictReader(open(run / "system.csv")))) >= 1
 
 
 def test_bad_logger_names_and_missing_packages(tmp_path, monkeypatch):

@@ -71,7 +71,7 @@ def test_resume_from_explicit_path_and_skip_incomplete(dataset, tmp_path, capsys
     ck = part / "checkpoints"
     assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["step-00000005", "step-00000010"]
     # corrupt the newest: auto must fall back to step 5 with a warning
-    (ck / "step-00000010" / "train_state_rank0.pt").write_bytes(b"garbage")
+    (ck / "step-00000010" / "train_state_rank0.safetensors").write_bytes(b"garbage")
     assert main(args(dataset, part, "--resume", "auto")) == 0
     assert "skipping checkpoint" in capsys.readouterr().out
     assert det(part) == det(full)

@@ -15,7 +15,9 @@ Bad input raises `UserError`, printed on one line with exit code 2 (no traceback
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
 from archscale.errors import UserError
@@ -79,6 +81,13 @@ def cmd_tokenizer(argv: list[str]) -> int:
     t.add_argument("--vocab_size", type=int, required=True)
     t.add_argument("--out", required=True, help="output tokenizer.json")
     a = p.parse_args(argv)
+    from archscale.outputs import writable_dir, writable_file
+
+    out = Path(a.out)
+    if out.is_dir() or str(a.out).endswith(os.sep):
+        writable_dir(out, "--out")
+    else:
+        writable_file(out, "--out")
     tok = train_bpe(a.input, a.vocab_size, a.out)
     print(f"wrote {a.out}: vocab {tok.vocab_size}, eos id {tok.eos_id}")
     return 0
@@ -99,10 +108,21 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--top_p", type=float, default=None, help="nucleus sampling mass (e.g. 0.95)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    run = load_run(a.checkpoint, tokenizer_path=a.tokenizer)
+    check_generate_args(a)
+    run = load_run(a.checkpoint, tokenizer=True, tokenizer_path=a.tokenizer)  # checks its vocab fits the model
     print(generate_text(run.model, run.tokenizer, a.prompt, a.max_new_tokens, a.temperature, a.top_k or None,
                         a.seed, top_p=a.top_p))
     return 0
+
+
+def check_generate_args(a) -> None:
+    checks = [(a.max_new_tokens >= 0, f"--max_new_tokens must be >= 0, got {a.max_new_tokens}"),
+              (a.temperature >= 0, f"--temperature must be >= 0 (0 = greedy), got {a.temperature}"),
+              (a.top_k >= 0, f"--top_k must be >= 0 (0 = off), got {a.top_k}"),
+              (a.top_p is None or 0 < a.top_p <= 1, f"--top_p must be in (0, 1], got {a.top_p}")]
+    for ok, msg in checks:
+        if not ok:
+            raise UserError(msg)
 
 
 @command("export", "consolidate any checkpoint (DCP shards or DeepSpeed ZeRO) into one safetensors file")
@@ -188,6 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BaseException as e:  # a full disk or a read-only path is the environment, not a bug: one line
+        from archscale.outputs import environment_error, os_error_line
+
+        found = environment_error(e) if not isinstance(e, SystemExit) else None
+        if found is None:
+            raise
+        print(f"error: {os_error_line(found)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

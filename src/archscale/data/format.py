@@ -47,8 +47,9 @@ def encode_header(dtype: np.dtype | type, chunk_size: int) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, CODES[dtype], int(chunk_size))
 
 
-def read_header(path: str | os.PathLike) -> tuple[np.dtype, int]:
-    """Return (dtype, chunk_size) of a shard, or raise UserError saying what is wrong with the file."""
+def read_header(path: str | os.PathLike, expect_dtype: str | None = None) -> tuple[np.dtype, int]:
+    """Return (dtype, chunk_size) of a shard, or raise UserError saying what is wrong with the file.
+    `expect_dtype` (the manifest's "dtype") must match the header's dtype."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -63,6 +64,12 @@ def read_header(path: str | os.PathLike) -> tuple[np.dtype, int]:
     if code not in DTYPES:
         raise UserError(f"{path}: unknown dtype code {code} in the shard header")
     dtype = np.dtype(DTYPES[code])
+    if expect_dtype is not None and np.dtype(expect_dtype) != dtype:
+        raise UserError(f"{path}: the shard header says dtype {dtype}, but the manifest.json beside it says "
+                        f"{np.dtype(expect_dtype)}; re-create the shards with `archscale prepare`")
+    if dtype.kind not in "iu":
+        raise UserError(f"{path}: the shard header says dtype {dtype}; token shards hold integer ids "
+                        "(uint16/int32...), so this file is not a token shard")
     expected = HEADER_SIZE + chunk_size * dtype.itemsize
     actual = path.stat().st_size
     if actual < expected:

@@ -143,9 +143,23 @@ def _find_shards(data_dir: Path, prefix: str) -> list[Path]:
     return files
 
 
+def _manifest_dtype(data_dir: Path) -> str | None:
+    """The token dtype the folder's manifest.json records (None without one: foreign lit-gpt shards)."""
+    dtype = (read_manifest(data_dir) or {}).get("dtype")
+    if dtype is None:
+        return None
+    try:
+        return str(np.dtype(dtype))
+    except TypeError:
+        raise UserError(f"{data_dir / MANIFEST}: unknown dtype {dtype!r}; re-create it with `archscale prepare`") from None
+
+
 def _block_counts(files: list[Path], block_size: int) -> np.ndarray:
-    """Blocks per file, from the headers only (a file that is not a shard raises format's UserError)."""
-    return np.array([shard_format.read_header(f)[1] // block_size for f in files], dtype=np.int64)
+    """Blocks per file, from the headers only (a file that is not a shard, or whose header dtype differs from
+    its manifest's, raises format's UserError)."""
+    expect = {d: _manifest_dtype(d) for d in {f.parent for f in files}}
+    return np.array([shard_format.read_header(f, expect[f.parent])[1] // block_size for f in files],
+                    dtype=np.int64)
 
 
 def _no_block_error(data_dir: Path, prefix: str, block_size: int, files: list[Path]) -> UserError:

@@ -54,6 +54,7 @@ from archscale.data.prepare_worker import ProgressUI, run_units
 from archscale.data.sources import SUPPORTED_EXTENSIONS, InputFile, iter_texts, list_input_files
 from archscale.data.tokenizer import Tokenizer
 from archscale.errors import UserError
+from archscale.outputs import writable_dir
 
 __all__ = ["prepare", "list_input_files", "iter_texts", "InputFile", "SUPPORTED_EXTENSIONS", "UNIT_BYTES"]
 
@@ -97,6 +98,7 @@ def _make_output_dir(output_dir: str | os.PathLike) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--output_dir {output_dir}: cannot create it ({e.strerror})") from None
+    writable_dir(out, "--output_dir")  # a read-only folder fails now, not after tokenizing
     return out.resolve()
 
 

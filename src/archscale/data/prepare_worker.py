@@ -10,7 +10,9 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -117,10 +119,37 @@ _COUNTERS = None
 _TOKENIZERS: dict[str, Tokenizer] = {}
 
 
-def _init_worker(counters) -> None:
+def _init_worker(counters, parent_pid: int | None = None) -> None:
     global _COUNTERS
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism; don't oversubscribe
     _COUNTERS = counters
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+
+
+def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """End this worker when `prepare`'s main process dies, even by kill -9 (which runs no cleanup there):
+    Linux's parent-death signal (prctl PR_SET_PDEATHSIG), and, on every OS, a watchdog thread that exits once
+    the parent pid changes (the worker was re-parented). A killed worker leaves at most `*.tmp` files, which a
+    re-run deletes before redoing its unit."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="archscale-parent-watchdog", daemon=True).start()
 
 
 def _report(nbytes: int, ntokens: int) -> None:
@@ -312,7 +341,8 @@ def _run_pool(pending: list[Unit], job: dict, workers: int, ui: ProgressUI,
 
     ctx = mp.get_context("spawn")
     counters = _SharedCounters(ctx)
-    ex = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(counters,))
+    ex = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                             initargs=(counters, os.getpid()))
     try:
         order = sorted(pending, key=lambda u: -u.size)  # biggest first: better balance; output is order-free
         futures = {ex.submit(process_unit, u.payload(), job): u for u in order}

@@ -179,7 +179,7 @@ def _jsonl_text(path: str, lineno: int, line: bytes, text_key: str) -> str:
     try:
         obj = json.loads(s)
     except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise UserError(f"{path}:{lineno}: expected a JSON object with a {text_key!r} field, "
                         f"got a JSON {type(obj).__name__}")

@@ -35,11 +35,17 @@ class EvalModel:
 
 
 def load_eval_model(checkpoint: str | Path, device: str | torch.device | None = None, tokenizer: str | None = None,
-                    precision: str = "fp32") -> EvalModel:
-    """Resolve a run dir / checkpoints dir / step dir and load everything evaluation needs (`runs.load_run`)."""
+                    precision: str = "fp32", need_tokenizer: bool = True) -> EvalModel:
+    """Resolve a run dir / checkpoints dir / step dir and load everything evaluation needs (`runs.load_run`).
+    With `need_tokenizer=False` a run that records no tokenizer gets `tokenizer=None` instead of an error."""
     if precision not in ("fp32", "bf16"):
         raise UserError(f"--precision must be fp32 or bf16, got {precision!r}")
-    run = load_run(checkpoint, device=device, tokenizer=True, tokenizer_path=tokenizer)
+    try:
+        run = load_run(checkpoint, device=device, tokenizer=True, tokenizer_path=tokenizer)
+    except UserError as e:
+        if need_tokenizer or tokenizer or "tokenizer" not in str(e):
+            raise
+        run = load_run(checkpoint, device=device, tokenizer=False)
     return EvalModel(model=run.model, tokenizer=run.tokenizer, train_len=run.model_config.block_size,
                      step_dir=run.step_dir, run_dir=run.run_dir, run_cfg=run.run_config, device=run.device,
                      precision=precision)

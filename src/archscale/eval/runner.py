@@ -146,10 +146,16 @@ def run(args) -> dict:
     from archscale.eval.loading import load_eval_model, validation_dir
 
     builtin, lm_tasks = parse_tasks(args.tasks)
+    from archscale.outputs import writable_file
+
     out_path = Path(args.output)
     if out_path.exists() and out_path.is_dir():
         raise UserError(f"--output {args.output} is a folder; give a .json file path")
-    em = load_eval_model(args.checkpoint, device=args.device, tokenizer=args.tokenizer, precision=args.precision)
+    writable_file(out_path, "--output")  # before the evaluation, not after it
+    # perplexity on validation shards reads token ids: it needs no tokenizer (foreign shards have none)
+    needs_tokenizer = bool(lm_tasks) or any(t != "ppl" for t in builtin) or bool(args.ppl_file)
+    em = load_eval_model(args.checkpoint, device=args.device, tokenizer=args.tokenizer, precision=args.precision,
+                         need_tokenizer=needs_tokenizer)
     T = em.train_len
     hard = hard_context_limit(em.model)
     if args.max_length is not None:

@@ -12,15 +12,29 @@ def explicit_flags(argv: Sequence[str]) -> set[str]:
     return {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
 
 
+def one_line(message: str, limit: int = 400) -> str:
+    text = " ".join(str(message).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def pretrain_parser():
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    from archscale.train.config import PretrainConfig
+    from archscale.errors import UserError
+    from archscale.train.config import PretrainConfig, field_help
 
-    p = ArgumentParser(prog="archscale pretrain", description="Pretrain a language model on LITPKDS shards.",
-                       default_env=False)
+    class Parser(ArgumentParser):
+        def error(self, message, ex=None):  # one line + a pointer, instead of the whole usage
+            raise UserError(f"archscale pretrain: {one_line(message)} (see archscale pretrain --help)")
+
+    p = Parser(prog="archscale pretrain", description="Pretrain a language model on LITPKDS shards.",
+               default_env=False)
     p.add_argument("--config", action=ActionConfigFile, help="YAML file with any of the flags below")
     p.add_class_arguments(PretrainConfig, nested_key=None, as_group=False)
+    helps = field_help()
+    for action in p._actions:  # the dataclass comments are the flags' help (jsonargparse reads docstrings only)
+        if not action.help and action.dest in helps:
+            action.help = helps[action.dest]
     return p
 
 

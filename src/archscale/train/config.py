@@ -22,31 +22,31 @@ class PretrainConfig:
     val_data_dir: Optional[str] = None  # folder of validation*.bin shards (default: train_data_dir)
     data_mixture: Optional[str] = None  # JSON file {"prefix": weight}; default {"train": 1.0}
     train_model: str = "transformer"  # architecture
-    depth: int = 8
-    ctx_len: int = 4096
+    depth: int = 8  # number of blocks; width, heads and the token budget follow from it (ArchScale's --depth)
+    ctx_len: int = 4096  # training sequence length in tokens
     max_tokens: Optional[float] = None  # token budget; default t0 * N(d) / N(d0)
     train_name: str = "scaling"  # seed-style name; its tokens set the fields below (logged)
     resume: str = "auto"  # auto | none | PATH to a checkpoint dir
     base_hps: BaseHyperparameters = field(default_factory=BaseHyperparameters)
     vocab_size: Optional[int] = None  # default: the dataset manifest's vocab size
-    micro_bsz: int = 2
+    micro_bsz: int = 2  # sequences per forward pass per process; gradient accumulation makes up the batch
     out_dir: Optional[str] = None  # default runs/<train_name>_<model>_d<depth>_ctx<ctx_len>
     parametrization: str = "sp"  # sp | mup (original mu-P, `_ori_mup`) | mup++ (`mup`); see scaling_rules
     ar: Optional[int] = None  # aspect ratio override: width = ar * depth, heads = depth, so head_size = ar
-    tie_embeddings: bool = False
-    rope_base: float = 10000.0
+    tie_embeddings: bool = False  # share the input embedding and the output head (`_tie` in --train_name)
+    rope_base: float = 10000.0  # RoPE base (`_rbase_N` in --train_name)
     rope_scaling: str = "none"  # none | linear:F (position interpolation by F, e.g. linear:2 to double the context)
     varlen: bool = False  # variable-length training: attention and Mamba state stay inside EOS-separated documents
     reset_position_ids: bool = False  # with --varlen: RoPE positions restart at every document (seed: not reset)
     schedule: str = "linear"  # linear | cosine | wsd
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0  # cross-entropy label smoothing in [0, 1)
     precision: str = "bf16-mixed"  # fp32 | bf16-mixed | fp16-mixed (dynamic loss scaling; for GPUs)
     strategy: str = "auto"  # auto (single for one process, fsdp otherwise) | single | ddp | fsdp | deepspeed
     zero_stage: int = 2  # --strategy deepspeed: ZeRO stage 0..3
     offload: str = "none"  # --strategy deepspeed: none | optimizer | params (params needs ZeRO 3)
     act_ckpt: bool = False  # activation checkpointing per block
     compile: bool = False  # torch.compile per block (after checkpointing, before sharding)
-    seed: int = 3407
+    seed: int = 3407  # seeds the init, the data order and every RNG
     eos_id: Optional[int] = None  # --varlen on shards without manifest.json (lit-gpt/TinyLlama; ArchScale's `_varlen` uses 2)
     nonfinite: str = "stop"  # a step with a non-finite loss or grad norm (never applied): stop (exit 3) | skip
     nonfinite_max: int = 10  # --nonfinite skip: give up (exit 3) when more steps than this in a row are non-finite
@@ -61,7 +61,8 @@ class PretrainConfig:
     progress: bool = True  # console progress bar
     logger: str = "csv"  # csv,tensorboard,wandb (comma-separated); W&B is offline without WANDB_API_KEY
     monitor_interval: float = 0.0  # seconds between system samples (CPU %, RAM, per-GPU util/mem/temp); 0 = off
-    wandb_project: str = "archscale"
+    monitor_console: bool = False  # also print each system sample on the console (default: system.csv/loggers only)
+    wandb_project: str = "archscale"  # W&B project (with --logger wandb)
     dry_run: bool = False  # print the fully resolved plan as JSON and exit (no data needed with --vocab_size)
 
 
@@ -117,8 +118,52 @@ def apply_train_name(cfg: PretrainConfig, explicit: set[str]) -> tuple[dict[str,
     return applied, unknown
 
 
+# Help for BaseHyperparameters fields that carry no comment in scaling_rules.py.
+_HPS_HELP = {"weight_decay0": "AdamW weight decay", "eps0": "AdamW epsilon",
+             "warmup_tokens0": "tokens of linear LR warmup", "beta1_0": "AdamW beta1", "beta2_0": "AdamW beta2"}
+
+
+def _comments(cls) -> dict[str, str]:
+    """`name: type = default  # comment` -> {name: comment} from the class source."""
+    import inspect
+    import io
+    import tokenize
+
+    out, line_name = {}, {}
+    src = inspect.getsource(cls)
+    for i, line in enumerate(src.splitlines(), 1):
+        head = line.strip().split(":", 1)[0]
+        if head.isidentifier() and ":" in line:
+            line_name[i] = head
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT and tok.start[0] in line_name:
+            out[line_name[tok.start[0]]] = tok.string.lstrip("#").strip()
+    return out
+
+
+def field_help() -> dict[str, str]:
+    """Help text of every pretrain flag (`base_hps.X` included), from the dataclasses' field comments."""
+    helps = {k: v for k, v in _comments(PretrainConfig).items()}
+    hps = {**_HPS_HELP, **_comments(BaseHyperparameters)}
+    helps.update({f"base_hps.{k}": f"{v} (mu-P++ base value)" for k, v in hps.items()})
+    return helps
+
+
+def _hps_checks(h: BaseHyperparameters) -> list[tuple[bool, str]]:
+    def pos(name):
+        v = getattr(h, name)
+        return (isinstance(v, (int, float)) and v > 0, f"--base_hps.{name} must be positive (got {v})")
+
+    return [pos("eta0"), pos("b0"), pos("t0"), pos("d0"), pos("hd0"), pos("eps0"),
+            (h.min_lr0 >= 0, f"--base_hps.min_lr0 must be >= 0 (got {h.min_lr0})"),
+            (h.weight_decay0 >= 0, f"--base_hps.weight_decay0 must be >= 0 (got {h.weight_decay0})"),
+            (h.warmup_tokens0 >= 0, f"--base_hps.warmup_tokens0 must be >= 0 (got {h.warmup_tokens0})"),
+            (0 <= h.beta1_0 < 1 and 0 <= h.beta2_0 < 1,
+             f"--base_hps.beta1_0 / beta2_0 must be in [0, 1) (got {h.beta1_0}, {h.beta2_0})")]
+
+
 def validate(cfg: PretrainConfig) -> None:
-    checks = [
+    checks = _hps_checks(cfg.base_hps) + [
         (cfg.depth >= 1, f"--depth must be >= 1 (got {cfg.depth})"),
         (cfg.ctx_len >= 1, f"--ctx_len must be >= 1 (got {cfg.ctx_len})"),
         (cfg.micro_bsz >= 1, f"--micro_bsz must be >= 1 (got {cfg.micro_bsz})"),

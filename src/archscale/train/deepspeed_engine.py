@@ -144,5 +144,9 @@ def to_universal(step_dir, out_root) -> None:
     args = argparse.Namespace(input_folder=str(Path(step_dir) / DS_TAG), output_folder=str(Path(out_root) / "universal"),
                               num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
                               inject_missing_state=True)  # plain models carry no universal info
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints every fragment
+    from archscale.train.safe_io import deepspeed_weights_only
+
+    # it prints every fragment; it reads with torch.load(weights_only=False), which the guard makes safe (its
+    # worker processes are forked, so they inherit the guard)
+    with contextlib.redirect_stdout(io.StringIO()), deepspeed_weights_only():
         ds_to_universal(args)

@@ -15,7 +15,9 @@ in-memory store, so the same code path runs.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -77,9 +79,29 @@ class DistEnv:
         return box[0]
 
     def close(self) -> None:
+        """End of a run. On the normal path every rank meets in a barrier first: gloo's barrier waits for all
+        earlier work, so no collective that DeepSpeed (ZeRO-3 prefetches) or FSDP launched asynchronously is
+        still held by a gloo worker thread when the process exits. (Such a thread that needs the GIL after
+        interpreter finalization is killed with pthread_exit, which aborts the process: "terminate called
+        without an active exception".) Not on an error path: the other ranks may be gone."""
+        if self.distributed and sys.exc_info()[0] is None:
+            dist.barrier()
         if self.owns_group and self.distributed:
             dist.destroy_process_group()
             self.owns_group = False
+
+
+def _destroy_at_exit() -> None:
+    """Destroy a process group still alive at exit (e.g. created by the caller's script and never destroyed)
+    while the interpreter is fully alive, instead of during its finalization (see DistEnv.close)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway; never turn a clean exit into a crash
+            pass
+
+
+_EXIT_HOOK: list[bool] = []
 
 
 def check_strategy(strategy: str) -> None:
@@ -123,4 +145,7 @@ def setup(strategy: str) -> DistEnv:
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         env.owns_group = True
+    if strategy != "single" and not _EXIT_HOOK:
+        atexit.register(_destroy_at_exit)
+        _EXIT_HOOK.append(True)
     return env

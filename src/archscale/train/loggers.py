@@ -6,10 +6,12 @@ field of the row under readable names (`train/loss`, `train/ppl`, `val/loss`, `v
 `train/lr_<group>`, `train/grad_norm`, `perf/tokens_per_sec`, `perf/mfu`, `memory/*`). W&B runs offline when
 there is no `WANDB_API_KEY` (sync later with `wandb sync RUN_DIR/wandb/offline-run-*`).
 
-`SystemMonitor(loggers, interval)` is a daemon thread that samples CPU %, RAM, this process's RSS and, per GPU,
-utilisation / memory / temperature (pynvml when installed; memory from torch.cuda otherwise) plus PyTorch's
-allocated / reserved / max-allocated memory, and hands each sample to `loggers.log_system(...)` (W&B and
-TensorBoard under `system/*`, `system.csv` for the csv backend).
+`SystemMonitor(loggers, interval)` is a daemon thread that samples CPU %, RAM, this process's RSS (psutil) and, per
+GPU, utilisation / memory / temperature (NVML via `nvidia-ml-py` when installed; memory from torch.cuda otherwise)
+plus PyTorch's allocated / reserved / max-allocated memory, and hands each sample to `loggers.log_system(...)`:
+every sample to `system.csv` (csv backend); at most one point per training step to TensorBoard (`system/*`);
+to W&B only PyTorch's allocator numbers (W&B records CPU, RAM and GPU use itself). The console stays quiet
+unless asked (`--monitor_console`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import csv
 import hashlib
 import math
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -56,10 +59,9 @@ def named_scalars(row: dict[str, Any]) -> dict[str, float]:
 
 def memory_stats() -> dict[str, float]:
     """Process RSS and, on CUDA, PyTorch's allocated / reserved / peak memory of the current device (GB)."""
-    out = {}
-    rss = _process_rss()
-    if rss is not None:
-        out["memory/rss_gb"] = rss / GB
+    import psutil
+
+    out = {"memory/rss_gb": psutil.Process().memory_info().rss / GB}
     try:
         import torch
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -165,6 +167,7 @@ class Loggers:
         self.memory = memory
         self.last_step = 0 if resume_step is None else resume_step
         self._lock = threading.Lock()
+        self._system_step: Optional[int] = None
         self.csv = self.tb = self.wandb = self.system_csv = None
         if "csv" in self.names:
             from archscale.train.metrics import MetricsCSV
@@ -194,9 +197,17 @@ class Loggers:
         """A system-monitor sample (keys like `system/cpu_percent`), at the last training step written."""
         scalars = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         with self._lock:
-            for b in (self.system_csv, self.tb, self.wandb):
-                if b is not None:
-                    b.system(self.last_step, scalars)
+            if self.system_csv is not None:  # every sample, with its time
+                self.system_csv.system(self.last_step, scalars)
+            if self._system_step == self.last_step:  # TensorBoard/W&B: one point per training step at most
+                return
+            self._system_step = self.last_step
+            if self.tb is not None:
+                self.tb.system(self.last_step, scalars)
+            if self.wandb is not None:  # W&B samples CPU, RAM and GPUs itself; add only PyTorch's allocator
+                own = {k: v for k, v in scalars.items() if "_torch_" in k}
+                if own:
+                    self.wandb.system(self.last_step, own)
 
     def close(self) -> None:
         with self._lock:
@@ -231,74 +242,21 @@ def seed_wandb_config(cfg: Any) -> tuple[dict, list[str]]:
 
 # ---------------------------------------------------------------- system monitor
 
-def _process_rss() -> Optional[int]:
-    try:
-        import psutil
-        return psutil.Process().memory_info().rss
-    except ImportError:
-        pass
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-class _ProcCPU:
-    """CPU % from /proc/stat deltas (when psutil is missing)."""
-
-    def __init__(self):
-        self.prev = self._read()
-
-    @staticmethod
-    def _read() -> Optional[tuple[int, int]]:
-        try:
-            vals = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        except (OSError, ValueError, IndexError):
-            return None
-        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-        return sum(vals), idle
-
-    def percent(self) -> Optional[float]:
-        cur = self._read()
-        if cur is None or self.prev is None:
-            return None
-        dt, di = cur[0] - self.prev[0], cur[1] - self.prev[1]
-        self.prev = cur
-        return 100.0 * (1 - di / dt) if dt > 0 else 0.0
-
-
-def _proc_meminfo() -> dict[str, int]:
-    out = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            k, v = line.split(":", 1)
-            out[k] = int(v.split()[0]) * 1024
-    except (OSError, ValueError):
-        pass
-    return out
-
-
 class SystemMonitor:
     """Samples the machine every `interval` seconds in a daemon thread; `sink(metrics)` receives each sample
-    (a `Loggers` is accepted: its `log_system`). `console` also prints one line per sample."""
+    (a `Loggers` is accepted: its `log_system`). CPU and RAM come from psutil, GPUs from NVML (`nvidia-ml-py`,
+    only when CUDA is available; memory from torch.cuda without it). Nothing goes to the console unless
+    `console` is given (`--monitor_console`): a sample is a row of system.csv / a point in the loggers."""
 
-    def __init__(self, sink: Any, interval: float = 60.0, console: Optional[Callable[[str], None]] = None,
-                 use_psutil: Optional[bool] = None):
+    def __init__(self, sink: Any, interval: float = 60.0, console: Optional[Callable[[str], None]] = None):
         if interval <= 0:
             raise UserError(f"--monitor_interval {interval}: must be > 0 seconds (0 turns the monitor off)")
+        import psutil
+
         self.sink = sink.log_system if hasattr(sink, "log_system") else sink
         self.interval, self.console = float(interval), console
-        try:
-            import psutil
-            self.psutil = psutil if use_psutil is not False else None
-        except ImportError:
-            self.psutil = None
-        if self.psutil is not None:
-            self.psutil.cpu_percent(None)  # primes the counter: the next call measures since now
-        self.proc_cpu = _ProcCPU() if self.psutil is None else None
+        self.psutil, self.process = psutil, psutil.Process()
+        psutil.cpu_percent(None)  # primes the counter: the next call measures since now
         self.nvml = self._init_nvml()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -313,29 +271,14 @@ class SystemMonitor:
             import pynvml
             pynvml.nvmlInit()
             return pynvml
-        except Exception:  # noqa: BLE001 - no pynvml / no driver: torch.cuda gives memory only
+        except Exception:  # noqa: BLE001 - no nvidia-ml-py / no driver: torch.cuda gives memory only
             return None
 
     def collect(self) -> dict[str, float]:
-        m: dict[str, float] = {}
-        if self.psutil is not None:
-            m["system/cpu_percent"] = float(self.psutil.cpu_percent(None))
-            vm = self.psutil.virtual_memory()
-            m["system/ram_percent"] = float(vm.percent)
-            m["system/ram_used_gb"] = (vm.total - vm.available) / GB
-            m["system/ram_total_gb"] = vm.total / GB
-        else:
-            cpu = self.proc_cpu.percent()
-            if cpu is not None:
-                m["system/cpu_percent"] = cpu
-            mi = _proc_meminfo()
-            if "MemTotal" in mi and "MemAvailable" in mi:
-                m["system/ram_percent"] = 100.0 * (1 - mi["MemAvailable"] / mi["MemTotal"])
-                m["system/ram_used_gb"] = (mi["MemTotal"] - mi["MemAvailable"]) / GB
-                m["system/ram_total_gb"] = mi["MemTotal"] / GB
-        rss = _process_rss()
-        if rss is not None:
-            m["system/process_rss_gb"] = rss / GB
+        vm = self.psutil.virtual_memory()
+        m = {"system/cpu_percent": float(self.psutil.cpu_percent(None)), "system/ram_percent": float(vm.percent),
+             "system/ram_used_gb": (vm.total - vm.available) / GB, "system/ram_total_gb": vm.total / GB,
+             "system/process_rss_gb": self.process.memory_info().rss / GB}
         m.update(self._gpu())
         return m
 
@@ -387,12 +330,14 @@ class SystemMonitor:
         return m
 
     def _loop(self) -> None:
+        warned = False
         while not self._stop.wait(self.interval):
             try:
                 self.sample()
             except Exception as e:  # noqa: BLE001 - the monitor never takes training down
-                if self.console is not None:
-                    self.console(f"[system] monitor error: {e}")
+                if not warned:  # once, not every interval
+                    print(f"warning: system monitor: {e}", file=sys.stderr)
+                    warned = True
 
     def start(self) -> "SystemMonitor":
         self._thread = threading.Thread(target=self._loop, name="archscale-system-monitor", daemon=True)

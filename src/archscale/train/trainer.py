@@ -87,7 +87,9 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
     vocab = cfg.vocab_size or preset.get("vocab_size") or (manifest or {}).get("vocab_size") or default_vocab
     tie = cfg.tie_embeddings or ("tie_embeddings" not in explicit and preset.get("tie_embeddings", False))
     if not vocab:
-        raise UserError(f"{cfg.train_data_dir} has no manifest.json to read the vocab size from; pass --vocab_size")
+        raise UserError(f"--train_data_dir {cfg.train_data_dir}: no such folder; run `archscale prepare` first"
+                        if not Path(cfg.train_data_dir).is_dir() else
+                        f"{cfg.train_data_dir} has no manifest.json to read the vocab size from; pass --vocab_size")
     if manifest and manifest.get("vocab_size", 0) > vocab:
         raise UserError(f"{cfg.train_data_dir}/manifest.json: data vocab {manifest['vocab_size']} > --vocab_size "
                         f"{vocab}; the model cannot embed those token ids (drop --vocab_size or raise it)")
@@ -526,7 +528,8 @@ class Trainer:
                                    config={**wb_config, "plan": dataclasses.asdict(plan)}, run_name=plan.run_name,
                                    project=cfg.wandb_project, tags=wb_tags)
             if cfg.monitor_interval > 0:
-                self.monitor = SystemMonitor(self.metrics, cfg.monitor_interval, console=self.log).start()
+                self.monitor = SystemMonitor(self.metrics, cfg.monitor_interval,
+                                             console=self.log if cfg.monitor_console else None).start()
         self.peak, peak_src = peak_flops(env.device, torch.bfloat16 if cfg.precision == "bf16-mixed"
                                          else torch.float32)
         self.log(f"run {self.out_dir}: {self.model_cfg.name}, {plan.non_embedding_params / 1e6:.2f}M non-embedding "
