@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import archscale.kernels.ssd as ssd
 from archscale.kernels.ssd import ssd_scan, ssd_state_update
