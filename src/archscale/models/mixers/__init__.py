@@ -6,6 +6,7 @@ import importlib
 MODULES = (
     "attention",
     "mamba",
+    "mamba2",
     "gmu",
     "swiglu",
 )

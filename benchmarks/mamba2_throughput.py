@@ -1,0 +1,200 @@
+"""Mamba-2 training throughput on CPU: our mixer vs `transformers.Mamba2ForCausalLM`'s torch path (no CUDA kernels).
+
+Both are the same pure-Mamba-2 language model, HF's layout: embedding -> n x [RMSNorm -> Mamba-2, residual] ->
+RMSNorm -> lm_head (untied in both), every Mamba-2 with d_inner = 2 d, headdim 64 (d_inner / 64 heads), d_state
+128, ngroups 1, d_conv 4, chunk_size 256, gated RMSNorm (norm after the gate). No MLP in either (HF's Mamba-2
+blocks have none), so the two have exactly the same parameters (checked below). One training step = forward +
+cross-entropy + backward + AdamW step (+ zero_grad).
+
+The models live in one process and are timed in alternating rounds (order reversed every round, so drift hits
+both alike). Reported: median tok/s over the rounds, the ratio of the medians and the median of the per-round
+ratios, and how many cores other processes used during each round (from /proc; the machine is shared, so only
+same-run ratios mean anything).
+
+    .venv/bin/python benchmarks/mamba2_throughput.py                 # fp32, B4 x T512, width 512 x 4 layers
+    .venv/bin/python benchmarks/mamba2_throughput.py --torch_chunk 256 # our scan at ArchScale's chunk length
+    .venv/bin/python benchmarks/mamba2_throughput.py --scan_impl ref   # our mixer with the sequential reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archscale.kernels import ssd as ssd_module
+from archscale.models.mixers.mamba2 import Mamba2
+from archscale.models.norm import RMSNorm
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Mamba2LM(nn.Module):
+    """Pure-Mamba-2 LM from our mixer, laid out like HF's `Mamba2ForCausalLM` (untied head)."""
+
+    def __init__(self, vocab: int, d: int, n_layer: int, chunk_size: int, scan_impl: str):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, d)
+        self.norms = nn.ModuleList(RMSNorm(d) for _ in range(n_layer))
+        self.mixers = nn.ModuleList(Mamba2(d, 2 * d, chunk_size=chunk_size, scan_impl=scan_impl)
+                                    for _ in range(n_layer))
+        self.norm_f = RMSNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(idx).float()
+        for norm, mixer in zip(self.norms, self.mixers):
+            x = x + mixer(norm(x))[0]
+        return self.lm_head(self.norm_f(x))
+
+
+def build_models(args) -> dict[str, tuple[nn.Module, callable]]:
+    import transformers
+
+    ours = Mamba2LM(args.vocab, args.width, args.layers, args.chunk_size, args.scan_impl)
+    models = {"ours": (ours, ours)}
+    if not args.skip_hf:
+        cfg = transformers.Mamba2Config(vocab_size=args.vocab, hidden_size=args.width, num_hidden_layers=args.layers,
+                                        state_size=128, expand=2, head_dim=64, num_heads=2 * args.width // 64,
+                                        n_groups=1, conv_kernel=4, chunk_size=args.chunk_size, use_conv_bias=True,
+                                        use_bias=False, layer_norm_epsilon=1e-5, tie_word_embeddings=False)
+        hf = transformers.Mamba2ForCausalLM(cfg)
+        models["hf"] = (hf, lambda idx: hf(input_ids=idx, use_cache=False).logits)
+    return models
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+class Runner:
+    def __init__(self, name, model, forward, x, y, vocab):
+        self.name, self.model, self.forward = name, model.train(), forward
+        params = list({id(p): p for p in model.parameters()}.values())
+        self.opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
+        self.x, self.y, self.vocab = x, y, vocab
+
+    def step(self, dtype) -> float:
+        ctx = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+        with ctx:
+            logits = self.forward(self.x)
+        loss = F.cross_entropy(logits[..., : self.vocab].flatten(0, 1).float(), self.y.flatten())
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+
+def _busy_ticks() -> tuple[int, int] | None:
+    """(all CPU busy ticks on the machine, this process's ticks) from /proc, or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rsplit(")", 1)[1].split()
+        return v[0] + v[1] + v[2] + v[5] + v[6] + v[7], int(own[11]) + int(own[12])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def timed(runner: Runner, dtype, steps: int) -> tuple[float, float | None]:
+    """Seconds for `steps` training steps, and the cores other processes kept busy meanwhile."""
+    before, t0 = _busy_ticks(), time.perf_counter()
+    for _ in range(steps):
+        runner.step(dtype)
+    seconds, after = time.perf_counter() - t0, _busy_ticks()
+    if before is None or after is None:
+        return seconds, None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return seconds, max(0.0, others / os.sysconf("SC_CLK_TCK") / seconds)
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return "n/a"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16 = CPU autocast")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per model per round")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per model first")
+    p.add_argument("--skip_hf", action="store_true")
+    p.add_argument("--scan_impl", default="chunked", help="our ssd_scan impl (chunked, ref, auto)")
+    p.add_argument("--chunk_size", type=int, default=256, help="the model's chunk_size (both models)")
+    p.add_argument("--torch_chunk", type=int, default=0, help="override our chunked path's longest chunk")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    import transformers
+
+    args = parse(argv)
+    if args.torch_chunk:
+        ssd_module.TORCH_CHUNK = args.torch_chunk
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(args.seed)
+    models = build_models(args)
+    counts = {name: n_params(m) for name, (m, _) in models.items()}
+    if len(set(counts.values())) != 1:
+        raise SystemExit(f"the models differ in size: {counts}")
+    data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    runners = [Runner(name, m, fwd, x, y, args.vocab) for name, (m, fwd) in models.items()]
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.machine()}; L={args.layers} d={args.width} V={args.vocab} B={args.batch} T={args.seq} "
+          f"{args.dtype}; chunk_size {args.chunk_size}, our torch chunk {ssd_module.TORCH_CHUNK}, scan "
+          f"{args.scan_impl}; {args.warmup} warmup, {args.rounds} rounds x {args.steps} steps; "
+          f"load avg {_loadavg()}")
+    for r in runners:
+        print(f"  {r.name:5s} {counts[r.name] / 1e6:6.2f}M params", flush=True)
+    tokens = args.batch * args.seq
+    for r in runners:
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            r.step(dtype)
+        print(f"  warmup {r.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    rows = []
+    for k in range(args.rounds):
+        row, noise = {}, 0.0
+        for r in runners if k % 2 == 0 else runners[::-1]:
+            seconds, others = timed(r, dtype, args.steps)
+            row[r.name] = args.steps * tokens / seconds
+            noise = max(noise, others or 0.0)
+        row["noise"] = noise
+        rows.append(row)
+        print(f"  round {k + 1}: " + "  ".join(f"{n} {row[n]:,.1f}" for n in row if n != "noise")
+              + f" tok/s; other processes {noise:.2f} cores", flush=True)
+    med = {r.name: statistics.median(row[r.name] for row in rows) for r in runners}
+    print("| model | tok/s (median) |")
+    print("|-------|----------------|")
+    for r in runners:
+        print(f"| {r.name:<5} | {med[r.name]:>14,.1f} |")
+    if "hf" in med:
+        paired = statistics.median(row["ours"] / row["hf"] for row in rows)
+        print(f"ours/hf: {med['ours'] / med['hf']:.2f}x (ratio of medians), {paired:.2f}x (median of per-round "
+              f"ratios)")
+    print("other processes per round (cores): " + " ".join(f"{row['noise']:.2f}" for row in rows)
+          + f"; load avg at end {_loadavg()}")
+
+
+if __name__ == "__main__":
+    main()
