@@ -7,6 +7,7 @@ MODULES = (
     "attention",
     "mamba",
     "gmu",
+    "gated_deltanet",
     "swiglu",
 )
 
