@@ -211,7 +211,8 @@ def test_causal():
 
 def test_packed_equals_separate_values_and_grads():
     """Documents of 6 and 13 tokens packed in one row: outputs and every parameter gradient equal the two
-    separate runs (fp32: 2e-5 / 1e-5 of the largest gradient entry); the control without doc_ids leaks through
+    separate runs (fp32: 2e-5; gradients 5e-5 of the largest entry + 1e-6, as tests/test_varlen.py: A_log and
+    dt_bias sum over every position); the control without doc_ids leaks through
     the conv and the state."""
     m = make(chunk_size=8)
     x = torch.randn(1, 19, 32)
@@ -226,7 +227,7 @@ def test_packed_equals_separate_values_and_grads():
     torch.testing.assert_close(out, torch.cat([a, b], 1), atol=2e-5, rtol=1e-4)
     for n, p in m.named_parameters():
         err = (packed[n] - p.grad).abs().max().item()
-        assert err <= 1e-5 * p.grad.abs().max().item() + 1e-7, (n, err)
+        assert err <= 5e-5 * p.grad.abs().max().item() + 1e-6, (n, err)
     with torch.no_grad():
         leak = m(x)[0][:, 6:] - b
     assert leak.abs().max() > 1e-3

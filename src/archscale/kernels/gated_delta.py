@@ -21,7 +21,8 @@ Implementations (``impl=``):
   M[i, j] = exp(G_i - G_j) for j <= i in the same document, else 0) the delta-rule writes solve the
   unit-lower-triangular system (I + L) u = beta v - beta exp(G) k S_0 with L[i, j] = beta_i (k_i . k_j) M[i, j],
   j < i. With Tinv = (I + L)^-1 (one small triangular solve per chunk): U = Tinv (beta v), W = Tinv (beta
-  exp(G) k), so u = U - W S_0 for whatever state S_0 enters the chunk. Only that product and the state update
+  exp(G) k), so u = U - W S_0 for whatever state S_0 enters the chunk (-W is what is stored: the sign, beta, the
+  decays and the scale all fold into the small (C, C) factors). Only that product and the state update
   S_C = exp(G_C) S_0 + (exp(G_C - G) k)^T u are sequential over chunks; the outputs
   o = (exp(G) q) S_0 + ((q k^T) * M) u are batched matmuls over all chunks after the loop. Every exp is of a
   non-positive number, so strong decay underflows harmlessly to 0. Autograd differentiates it.
@@ -87,16 +88,17 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
     if impl == "fla":
         return _fla_forward(q, k, v, g, beta, scale, initial_state, output_final_state, reset, use_qk_l2norm)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        qf, kf = q.float(), k.float()
-        if use_qk_l2norm:
-            qf, kf = l2norm(qf), l2norm(kf)
-        qf = qf * scale
-        args = [x.transpose(1, 2) for x in (qf, kf, v.float(), g.float(), beta.float())]   # (b, h, t, ...)
         h0 = None if initial_state is None else initial_state.float()
+        gb = [x.float().transpose(1, 2) for x in (g, beta)]                  # (b, h, t)
         if impl == "ref":
-            o, last = _recurrence_ref(*args, h0, reset)
+            qf, kf = q.float(), k.float()
+            if use_qk_l2norm:
+                qf, kf = l2norm(qf), l2norm(kf)
+            qkv = [x.transpose(1, 2) for x in (qf * scale, kf, v.float())]   # (b, h, t, ...)
+            o, last = _recurrence_ref(*qkv, *gb, h0, reset)
         else:
-            o, last = _chunked(*args, h0, reset, chunk_size)
+            qkv = [_heads_first(x, use_qk_l2norm) for x in (q, k)] + [v.float().transpose(1, 2).contiguous()]
+            o, last = _chunked(*qkv, *gb, h0, reset, chunk_size, scale)
     return o.transpose(1, 2).to(v.dtype), (last if output_final_state else None)
 
 
@@ -141,10 +143,40 @@ def _recurrence_ref(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0
 # --------------------------------------------------------------------------------------------------------------
 # Chunked: the UT transform inside chunks, the state passed between chunks.
 
+def _heads_first(x: Tensor, normalise: bool) -> Tensor:
+    """(b, t, h, D) -> contiguous fp32 (b, h, t, D), l2-normalised over D if asked (one fused pass each way)."""
+    if normalise:
+        return _L2NormHeadsFirst.apply(x)
+    return x.float().transpose(1, 2).contiguous()
+
+
+class _L2NormHeadsFirst(torch.autograd.Function):
+    """y = x rsqrt(sum x^2 + 1e-6), written heads-first; backward dx = r (dy - y (y . dy))."""
+
+    @staticmethod
+    def forward(ctx, x):
+        xf = x.float()
+        r = torch.rsqrt((xf * xf).sum(-1, keepdim=True).add_(1e-6))         # (b, t, h, 1)
+        y = torch.empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3], dtype=torch.float32, device=x.device)
+        torch.mul(xf.transpose(1, 2), r.transpose(1, 2), out=y)
+        ctx.save_for_backward(y, r)
+        ctx.in_dtype = x.dtype
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        y, r = ctx.saved_tensors
+        dot = (y * dy).sum(-1, keepdim=True)                                 # (b, h, t, 1)
+        g = torch.addcmul(dy, y, dot, value=-1.0).mul_(r.transpose(1, 2))
+        return g.transpose(1, 2).to(ctx.in_dtype)
+
+
 def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None,
-             reset: Tensor | None, chunk: int) -> tuple[Tensor, Tensor]:
-    """Shapes as `_recurrence_ref`. Pads t to a multiple of `chunk` with g = 0, beta = 0, k = q = 0 steps
-    (decay 1, no write), so the state carries through the padding unchanged."""
+             reset: Tensor | None, chunk: int, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Shapes as `_recurrence_ref`, but q not yet scaled (`scale` folds into the small decay factors). Pads t to
+    a multiple of `chunk` with g = 0, beta = 0, k = q = 0 steps (decay 1, no write), so the state carries through
+    the padding unchanged."""
     b, h, t, K = k.shape
     V = v.shape[-1]
     if chunk < 1 or chunk & (chunk - 1):
@@ -181,9 +213,9 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tenso
     kT = k.transpose(-1, -2)
     Tinv = _unit_lower_inverse((beta[..., :, None] * (k @ kT)) * M.tril(-1))  # (I + L)^-1, L strictly lower
     U = (Tinv * beta[..., None, :]) @ v                                      # Tinv (beta v)
-    W = (Tinv * (beta * eG)[..., None, :]) @ k                               # Tinv (beta exp(G) k): u = U - W S_0
-    A = (q @ kT) * M                                                         # (b, h, n, C, C), causal
-    Qe = q * eG[..., None]                                                   # reads the entering state
+    W = (Tinv * -(beta * eG)[..., None, :]) @ k                              # -Tinv (beta exp(G) k): u = U + W S_0
+    A = (q @ kT) * (M * scale)                                               # (b, h, n, C, C), causal
+    Qe = q * (eG * scale)[..., None]                                         # reads the entering state
     kd = (k * eG_end[..., None]).transpose(-1, -2)                          # (b, h, n, K, C): writes the next
     S = h0 if h0 is not None else q.new_zeros(b, h, K, V)
     o, S = _StatePass.apply(U, W, Qe, A, kd, a_end, S)                      # (b, h, n, C, V), (b, h, K, V)
@@ -194,12 +226,12 @@ class _StatePass(torch.autograd.Function):
     """The sequential part of the chunked form, with a hand-written backward (autograd's would add a
     full-size gradient buffer per chunk and run every product chunk by chunk).
 
-    For chunks c = 0..n-1 from S_0 = h0:  u_c = U_c - W_c S_c;  o_c = A_c u_c + Qe_c S_c;
+    For chunks c = 0..n-1 from S_0 = h0:  u_c = U_c + W_c S_c;  o_c = A_c u_c + Qe_c S_c;
     S_{c+1} = a_c S_c + kd_c u_c.  Shapes: U (b, h, n, C, V), W, Qe (b, h, n, C, K), A (b, h, n, C, C),
     kd (b, h, n, K, C), a (b, h, n), h0 (b, h, K, V). Returns o (b, h, n, C, V) and S_n.
 
     Backward: only dS_c (the gradient reaching each chunk's entering state) is sequential,
-    dS_c = a_c dS_{c+1} + Qe_c^T do_c - W_c^T du_c with du_c = A_c^T do_c + kd_c^T dS_{c+1}; every other
+    dS_c = a_c dS_{c+1} + Qe_c^T do_c + W_c^T du_c with du_c = A_c^T do_c + kd_c^T dS_{c+1}; every other
     gradient is one batched product over all chunks after the loop.
     """
 
@@ -210,7 +242,7 @@ class _StatePass(torch.autograd.Function):
         states, us = [], []
         for c in range(n):
             states.append(S)
-            u = torch.sub(U[:, :, c], W[:, :, c] @ S)
+            u = U[:, :, c] + W[:, :, c] @ S
             us.append(u)
             S = torch.addcmul(kd[:, :, c] @ u, S, a[:, :, c, None, None])
         states, u = torch.stack(states, dim=2), torch.stack(us, dim=2)      # (b, h, n, K, V), (b, h, n, C, V)
@@ -233,10 +265,10 @@ class _StatePass(torch.autograd.Function):
             dS_next[:, :, c] = dS
             du[:, :, c].add_(kd[:, :, c].transpose(-1, -2) @ dS)
             da[:, :, c] = (dS * states[:, :, c]).sum((-1, -2))
-            dS = torch.addcmul(qdo[:, :, c], dS, a[:, :, c, None, None]).sub_(
+            dS = torch.addcmul(qdo[:, :, c], dS, a[:, :, c, None, None]).add_(
                 W[:, :, c].transpose(-1, -2) @ du[:, :, c])
         dU = du
-        dW = -(du @ states.transpose(-1, -2))
+        dW = du @ states.transpose(-1, -2)
         dQe = do @ states.transpose(-1, -2)
         dA = do @ u.transpose(-1, -2)
         dkd = dS_next @ u.transpose(-1, -2)
