@@ -8,6 +8,7 @@ MODULES = (
     "mamba",
     "mamba2",
     "gmu",
+    "gated_deltanet",
     "swiglu",
 )
 
