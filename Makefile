@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 CONSTRAINTS := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "-c constraints-cpu.txt")
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast test-gpu bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m cuda
 
 bench: $(STAMP)
 	$(PY) benchmarks/train_throughput.py

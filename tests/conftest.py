@@ -22,3 +22,15 @@ def make_dataset(path, vocab=256, n_train_files=3, tokens_per_file=6000, seed=0)
 @pytest.fixture
 def dataset(tmp_path):
     return make_dataset(tmp_path / "data")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`cuda`-marked tests need an NVIDIA GPU: skipped, with that reason, where torch sees none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (cuda marker)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
