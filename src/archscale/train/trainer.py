@@ -36,6 +36,7 @@ from archscale.train.deepspeed_engine import loss_scale as ds_loss_scale
 from archscale.train.distributed import DistEnv
 from archscale.train.distributed import setup as setup_distributed
 from archscale.models.varlen import document_ids, document_positions
+from archscale.ops.cross_entropy import select_loss
 from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
 from archscale.train.metrics import Progress, peak_flops
 from archscale.train.optim import build_adamw, param_groups, set_lr
@@ -163,14 +164,16 @@ def resolved_yaml(cfg: PretrainConfig, plan: Plan, model_cfg: ModelConfig) -> st
                            "model": model_cfg.to_dict()}, sort_keys=False)
 
 
-def make_forward(cfg: PretrainConfig, eos_id: Optional[int]) -> Callable:
-    """model, inputs -> logits; with --varlen the documents (from EOS) mask attention and reset Mamba states."""
+def make_forward(cfg: PretrainConfig, eos_id: Optional[int], return_hidden: bool = False) -> Callable:
+    """model, inputs -> logits (or (hidden, head weight) for a chunked loss); with --varlen the documents (from
+    EOS) mask attention and reset Mamba states."""
     if not cfg.varlen:
-        return lambda model, x: model(x)
+        return lambda model, x: model(x, return_hidden=return_hidden)
 
     def forward(model, x):
         docs = document_ids(x, eos_id)
-        return model(x, doc_ids=docs, position_ids=document_positions(docs) if cfg.reset_position_ids else None)
+        return model(x, doc_ids=docs, position_ids=document_positions(docs) if cfg.reset_position_ids else None,
+                     return_hidden=return_hidden)
     return forward
 
 
@@ -323,7 +326,8 @@ def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[
     if cfg.varlen and eos_id is None:
         raise UserError(f"--varlen: {cfg.train_data_dir}/manifest.json has no eos_id to find document boundaries "
                         "(prepare the data with `archscale prepare`)")
-    forward = make_forward(cfg, eos_id)
+    loss_fn = select_loss(cfg.loss, model_cfg.vocab_size, zero3=use_ds and cfg.zero_stage == 3)  # --loss
+    forward, eval_forward = make_forward(cfg, eos_id, return_hidden=loss_fn.wants_hidden), make_forward(cfg, eos_id)
     val_batches, val_pad, val_filler = [], 0, None
     if cfg.eval_iters > 0:
         everything = list(validation_batches(val_dir, "validation", block_size=block,
@@ -390,7 +394,7 @@ def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[
                                     rank=env.rank, barrier=env.barrier, engine=engine)
 
     def validate_now() -> float:
-        return evaluate(model, val_batches, device, autocast, env, val_pad, val_filler, forward=forward)
+        return evaluate(model, val_batches, device, autocast, env, val_pad, val_filler, forward=eval_forward)
 
     if resume_from is None and cfg.eval_iters > 0:  # sanity pass at start: the curve's first point is the init loss
         val_loss = validate_now()
@@ -416,8 +420,7 @@ def _train(cfg: PretrainConfig, explicit: set[str], env: DistEnv, log: Callable[
                 with sync:
                     with autocast():
                         logits = forward(model, batch[:, :-1])
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(),
-                                           label_smoothing=cfg.label_smoothing)
+                    loss = loss_fn(logits, batch[:, 1:], cfg.label_smoothing)
                     if use_ds:
                         engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
                         engine.step()  # steps (clip, update) only at the accumulation boundary
