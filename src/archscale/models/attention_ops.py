@@ -1,15 +1,28 @@
 """The attention kernel behind every attention mixer: causal (optionally sliding-window) softmax attention on
 absolute positions, with grouped K/V heads.
 
-`attend(q, k, v, scale=, q_pos0=, k_pos0=, window=)` picks a path:
-- flash-attn on CUDA when installed (half precision only), `window_size=(W-1, 0)`;
+`attend(q, k, v, scale=, q_pos0=, k_pos0=, window=, q_docs=, k_docs=)` picks a path.
+
+On CUDA (no per-document Python loop, no dense T x T mask):
+- document-masked training (`q_docs`): flash-attn's `flash_attn_varlen_func` when installed (half precision),
+  with cu_seqlens from the document ids; else FlexAttention with a block mask of the documents (and window);
+- no documents: flash-attn's `flash_attn_func` when installed (half precision), `window_size=(W-1, 0)`;
+  else SDPA's causal fast path when queries and keys cover the same positions and no window cuts in; else
+  (sliding windows, chunked prefill) FlexAttention with a causal/window block mask;
+- one query (decoding): SDPA, with a (1, Tk) mask when a window cuts in.
+FlexAttention runs compiled, its block masks built once per batch layout (`ops/attention_masks.py`).
+
+On CPU (FlexAttention has no CPU backward):
 - SDPA with `is_causal` when queries and keys cover the same positions and no window cuts in (training);
 - SDPA on non-overlapping query blocks of W against their 2W keys when a window is much shorter than the
-  sequence (sliding-window training on CPU costs O(T*W), not O(T^2));
+  sequence (sliding-window training costs O(T*W), not O(T^2));
 - SDPA with an explicit boolean mask otherwise (cached decoding, chunked prefill), and for variable-length
-  (document-masked) training, where the mask is also block-diagonal over documents (`q_docs`, `k_docs`); past
+  (document-masked) training, where the mask is also block-diagonal over documents; past
   `DENSE_DOC_MASK_MAX` positions, one causal call per document instead (no T x T mask at long context).
-`ARCHSCALE_ATTN_IMPL=flash|sdpa` forces a path (flash falls back to sdpa where it cannot run).
+
+`ARCHSCALE_ATTN_IMPL=flash|flex|sdpa` forces a path: flash falls back where it cannot run; flex runs the
+FlexAttention path on any device (forward only on CPU: the tests' parity checks); sdpa keeps CUDA on the CPU
+paths above (the reference to compare kernels against).
 """
 
 from __future__ import annotations
@@ -19,10 +32,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-try:  # optional CUDA kernel
-    from flash_attn import flash_attn_func  # type: ignore
+from archscale.ops.attention_masks import block_mask_for, cu_seqlens_for, flex_attention, flex_kernel
+
+try:  # optional CUDA kernels
+    from flash_attn import flash_attn_func, flash_attn_varlen_func  # type: ignore
 except Exception:  # pragma: no cover - not installable without CUDA
-    flash_attn_func = None
+    flash_attn_func = flash_attn_varlen_func = None
 
 # `enable_gqa` arrived in torch 2.5.
 _SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -92,6 +107,49 @@ def _per_document(q, k, v, scale, docs, window):
     return out
 
 
+def flex_attend(q, k, v, scale, q_pos0=0, k_pos0=0, window=0, q_docs=None, k_docs=None):
+    """The FlexAttention path: one kernel call with a block mask of the causal / window / document rule."""
+    mask = block_mask_for(q.shape[2], k.shape[2], q_pos0, k_pos0, window, q_docs, k_docs, q.device)
+    return flex_kernel(q.device.type)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flash_varlen_attend(q, k, v, scale, docs, window=0):
+    """flash-attn's varlen kernel over the B*T tokens as one packed batch of documents (training shapes)."""
+    if v.shape[-1] != q.shape[-1]:  # flash-attn wants equal head dims: split wide values
+        return torch.cat([flash_varlen_attend(q, k, vi, scale, docs, window) for vi in v.split(q.shape[-1], -1)],
+                         dim=-1)
+    B, H, T, d = q.shape
+    cu, max_len = cu_seqlens_for(docs)
+    packed = [t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[-1]) for t in (q, k, v)]
+    out = flash_attn_varlen_func(*packed, cu, cu, max_len, max_len, softmax_scale=scale, causal=True,
+                                 window_size=(window - 1, 0) if window else (-1, -1))
+    return out.view(B, T, H, v.shape[-1]).transpose(1, 2)
+
+
+def _cuda_path(q, k, v, scale, q_pos0, k_pos0, window, q_docs, k_docs, impl):
+    """The CUDA choice (module docstring), or None to fall through to the SDPA paths."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    flash_ok = impl in ("auto", "flash") and q.is_cuda and half
+    if q_docs is not None:
+        if flash_ok and flash_attn_varlen_func is not None and Tq == Tk and q_docs is k_docs:
+            return flash_varlen_attend(q, k, v, scale, q_docs, window)
+    elif flash_ok and flash_attn_func is not None:
+        if v.shape[-1] != q.shape[-1]:  # flash-attn wants equal head dims: split wide values
+            return torch.cat([attend(q, k, vi, scale=scale, q_pos0=q_pos0, k_pos0=k_pos0, window=window)
+                              for vi in v.split(q.shape[-1], dim=-1)], dim=-1)
+        # flash-attn aligns causal masks bottom-right, which is our position convention
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                              causal=True, window_size=(window - 1, 0) if window else (-1, -1))
+        return out.transpose(1, 2)
+    no_cut = not window or window >= Tk
+    if q_docs is None and (Tq == 1 or (Tq == Tk and no_cut)):
+        return None  # SDPA's causal (or unmasked single-query) kernels need no mask
+    if flex_attention is not None and Tq > 1 and (impl == "flex" or (impl == "auto" and q.is_cuda)):
+        return flex_attend(q, k, v, scale, q_pos0, k_pos0, window, q_docs, k_docs)
+    return None
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_pos0: int = 0, k_pos0: int = 0,
            window: int = 0, q_docs: torch.Tensor | None = None, k_docs: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, Tq, d), k (B, G, Tk, d), v (B, G, Tk, dv) -> (B, H, Tq, dv). Queries sit at absolute positions
@@ -101,22 +159,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q
     Tq, Tk = q.shape[2], k.shape[2]
     if q_pos0 + Tq != k_pos0 + Tk:
         raise ValueError(f"keys must end where queries end (q {q_pos0}+{Tq}, k {k_pos0}+{Tk})")
+    impl = os.environ.get("ARCHSCALE_ATTN_IMPL", "auto")
+    if impl != "sdpa" and (q.is_cuda or impl == "flex"):
+        out = _cuda_path(q, k, v, scale, q_pos0, k_pos0, window, q_docs, k_docs, impl)
+        if out is not None:
+            return out
     if q_docs is not None:
         if Tq == Tk and Tq > DENSE_DOC_MASK_MAX:
             return _per_document(q, k, v, scale, q_docs, window)
         mask = attention_mask(Tq, Tk, q_pos0, k_pos0, window, q.device)
         mask = mask & (q_docs[:, :, None] == k_docs[:, None, :])  # (B, Tq, Tk): block-diagonal causal
         return _sdpa(q, k, v, scale, mask=mask.unsqueeze(1))
-    impl = os.environ.get("ARCHSCALE_ATTN_IMPL", "auto")
-    if (impl in ("auto", "flash") and flash_attn_func is not None and q.is_cuda
-            and q.dtype in (torch.float16, torch.bfloat16)):
-        if v.shape[-1] != q.shape[-1]:  # flash-attn wants equal head dims: split wide values
-            return torch.cat([attend(q, k, vi, scale=scale, q_pos0=q_pos0, k_pos0=k_pos0, window=window)
-                              for vi in v.split(q.shape[-1], dim=-1)], dim=-1)
-        # flash-attn aligns causal masks bottom-right, which is our position convention
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                              causal=True, window_size=(window - 1, 0) if window else (-1, -1))
-        return out.transpose(1, 2)
     no_cut = not window or window >= Tk
     if Tq == Tk and no_cut:
         return _sdpa(q, k, v, scale, causal=True)

@@ -43,8 +43,11 @@ class GPT(nn.Module):
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, idx: torch.Tensor, cache: InferenceCache | None = None, last_only: bool = False,
-                doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, T, vocab) for idx (B, T); (B, 1, vocab) for the last position when `last_only`.
+        With `return_hidden`, (final hidden state x logit_scale (B, T, n_embd), lm_head.weight) instead, for a
+        loss that applies the head chunk by chunk (`ops/cross_entropy.py`; padded weight rows are its to drop).
 
         With `cache`, idx continues the cached sequence (positions cache.pos..) and the cache is updated; a
         cross-decoder then sees only the last position when `last_only` (its layers keep no state of their own,
@@ -83,6 +86,8 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if self.config.logit_scale != 1.0:
             x = x * self.config.logit_scale
+        if return_hidden:
+            return x, self.lm_head.weight
         logits = self.lm_head(x)
         if self.config.padded_vocab_size != self.config.vocab_size:
             logits = logits[..., : self.config.vocab_size]

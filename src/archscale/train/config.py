@@ -40,6 +40,9 @@ class PretrainConfig:
     reset_position_ids: bool = False  # with --varlen: RoPE positions restart at every document (seed: not reset)
     schedule: str = "linear"  # linear | cosine | wsd
     label_smoothing: float = 0.0  # cross-entropy label smoothing in [0, 1)
+    # auto | plain | chunked. chunked: linear cross-entropy over token chunks, never holding the (tokens, vocab)
+    # logits (Liger's kernel on CUDA when installed); auto = chunked above 100,000 vocab, as ArchScale
+    loss: str = "auto"
     precision: str = "bf16-mixed"  # fp32 | bf16-mixed | fp16-mixed (dynamic loss scaling; for GPUs)
     strategy: str = "auto"  # auto (single for one process, fsdp otherwise) | single | ddp | fsdp | deepspeed
     zero_stage: int = 2  # --strategy deepspeed: ZeRO stage 0..3
@@ -185,6 +188,7 @@ def validate(cfg: PretrainConfig) -> None:
          "--eval_interval, --log_interval and --save_interval must be >= 1"),
         (cfg.keep_last >= 0, "--keep_last must be >= 0"),
         (0.0 <= cfg.label_smoothing < 1.0, "--label_smoothing must be in [0, 1)"),
+        (cfg.loss in ("auto", "plain", "chunked"), f"--loss must be auto, plain or chunked (got {cfg.loss!r})"),
         (cfg.resume in ("auto", "none") or bool(cfg.resume), "--resume must be auto, none or a checkpoint path"),
         (not cfg.reset_position_ids or cfg.varlen or parse_train_name(cfg.train_name)[0].get("varlen", False),
          "--reset_position_ids needs --varlen (documents come from EOS)"),

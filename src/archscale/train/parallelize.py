@@ -40,10 +40,16 @@ def apply_act_ckpt(model: nn.Module) -> None:
         block._act_ckpt = True
 
 
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile each block in place (FQNs unchanged); the rest of the model stays eager."""
+def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool = False) -> None:
+    """Regional compilation: torch.compile each block in place (FQNs unchanged); embedding, final norm, head and
+    loss stay eager. Blocks of one kind share a compiled graph (parameters are graph inputs); a block whose
+    constants differ (its layer kind, differential attention's per-layer lambda_init) gets its own, so the
+    recompile limit is raised to cover every block. A Transformer++ block traces as one graph (tested)."""
+    dynamo = torch._dynamo.config
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
+    setattr(dynamo, name, max(getattr(dynamo, name), 2 * len(model.blocks) + 8))
     for block in model.blocks:
-        block.compile()
+        block.compile(backend=backend, fullgraph=fullgraph)
 
 
 def apply_fsdp(model: nn.Module, bf16: bool, cpu_offload: bool) -> None:

@@ -36,6 +36,7 @@ from archscale.train.deepspeed_engine import to_universal
 from archscale.train.distributed import DistEnv
 from archscale.train.distributed import setup as setup_distributed
 from archscale.models.varlen import document_ids, document_positions
+from archscale.ops.cross_entropy import select_loss
 from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
 from archscale.train.metrics import Progress, peak_flops
 from archscale.train.optim import param_groups, set_lr
@@ -167,14 +168,16 @@ def resolved_yaml(cfg: PretrainConfig, plan: Plan, model_cfg: ModelConfig) -> st
                            "model": model_cfg.to_dict()}, sort_keys=False)
 
 
-def make_forward(cfg: PretrainConfig, eos_id: Optional[int]) -> Callable:
-    """model, inputs -> logits; with --varlen the documents (from EOS) mask attention and reset Mamba states."""
+def make_forward(cfg: PretrainConfig, eos_id: Optional[int], return_hidden: bool = False) -> Callable:
+    """model, inputs -> logits (or (hidden, head weight) for a chunked loss); with --varlen the documents (from
+    EOS) mask attention and reset Mamba states."""
     if not cfg.varlen:
-        return lambda model, x: model(x)
+        return lambda model, x: model(x, return_hidden=return_hidden)
 
     def forward(model, x):
         docs = document_ids(x, eos_id)
-        return model(x, doc_ids=docs, position_ids=document_positions(docs) if cfg.reset_position_ids else None)
+        return model(x, doc_ids=docs, position_ids=document_positions(docs) if cfg.reset_position_ids else None,
+                     return_hidden=return_hidden)
     return forward
 
 
@@ -491,7 +494,11 @@ class Trainer:
         self.loader = GlobalOrderLoader(cfg.train_data_dir, mixture, block_size=block, micro_bsz=cfg.micro_bsz,
                                         seed=cfg.seed, rank=env.rank, world_size=env.world_size,
                                         num_workers=cfg.num_workers)
-        self.forward = make_forward(cfg, varlen_eos_id(cfg))
+        eos_id = varlen_eos_id(cfg)
+        zero3 = self.env.strategy == "deepspeed" and cfg.zero_stage == 3
+        self.loss_fn = select_loss(cfg.loss, self.model_cfg.vocab_size, zero3=zero3)  # --loss
+        self.forward = make_forward(cfg, eos_id, return_hidden=self.loss_fn.wants_hidden)
+        self.eval_forward = make_forward(cfg, eos_id)
         self.val_batches, self.val_pad, self.val_filler = [], 0, None
         if cfg.eval_iters > 0:
             val_dir = cfg.val_data_dir or cfg.train_data_dir
@@ -565,8 +572,7 @@ class Trainer:
             with strategy.no_sync(micro):
                 with self.autocast():
                     logits = self.forward(strategy.model, batch[:, :-1])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(),
-                                       label_smoothing=cfg.label_smoothing)
+                loss = self.loss_fn(logits, batch[:, 1:], cfg.label_smoothing)
                 strategy.backward(loss, micro)
             loss_sum += loss.detach()  # no .item() here: it would sync the GPU every micro-batch
         train_loss = self.env.mean(loss_sum.double() / plan.grad_accum)  # the global batch's, on every rank
@@ -579,7 +585,7 @@ class Trainer:
     # ---------------------------------------------------------------- the loop
     def validate_now(self) -> float:
         return evaluate(self.strategy.model, self.val_batches, self.env.device, self.autocast, self.env,
-                        self.val_pad, self.val_filler, forward=self.forward)
+                        self.val_pad, self.val_filler, forward=self.eval_forward)
 
     def save(self) -> Path:
         state = self.state
