@@ -4,7 +4,7 @@
     archscale tokenizer train ...  train a byte-level BPE tokenizer
     archscale pretrain ...         train a model (seed-compatible flags; --help lists them all)
     archscale generate ...         sample text from a checkpoint (cached decoding)
-    archscale export ...           consolidate any checkpoint into one safetensors file
+    archscale export ...           a Hugging Face folder (--format hf) or one safetensors file
     archscale eval / report ...    evaluate a checkpoint (ppl, Phonebook, RULER NIAH, lm-eval) / plot the results
     archscale sweep / analyze / fit ...   scaling studies: run a study file, tabulate it, fit L = A X^-b + C
     archscale demo                 the whole pipeline on a small public-domain corpus, in minutes on a CPU
@@ -120,13 +120,15 @@ def cmd_tokenizer(argv: list[str]) -> int:
     return 0
 
 
-@command("generate", "sample text from a checkpoint or run dir")
+@command("generate", "sample text from a checkpoint, run dir, exported HF folder or quantized folder")
 def cmd_generate(argv: list[str]) -> int:
-    from archscale.eval.generate import generate_text, load_model
+    from archscale.eval.generate import generate_text
+    from archscale.eval.loading import load_eval_model
 
     p = argparse.ArgumentParser(prog="archscale generate")
-    p.add_argument("--checkpoint", required=True, help="run dir (uses its latest checkpoint) or checkpoints/step-*")
-    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--checkpoint", required=True, help="run dir (uses its latest checkpoint), checkpoints/step-*, "
+                                                       "an `archscale export` folder or an `archscale quantize` folder")
+    p.add_argument("--tokenizer", default=None, help="default: the run's recorded tokenizer / the folder's own")
     p.add_argument("--prompt", default="")
     p.add_argument("--max_new_tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -134,23 +136,34 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--top_p", type=float, default=None, help="nucleus sampling mass (e.g. 0.95)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    from archscale.data.tokenizer import Tokenizer
-
-    model, _ = load_model(a.checkpoint)
-    print(generate_text(model, Tokenizer(a.tokenizer), a.prompt, a.max_new_tokens, a.temperature, a.top_k or None,
+    em = load_eval_model(a.checkpoint, device="cpu", tokenizer=a.tokenizer)
+    print(generate_text(em.model, em.tokenizer, a.prompt, a.max_new_tokens, a.temperature, a.top_k or None,
                         a.seed, top_p=a.top_p))
     return 0
 
 
-@command("export", "consolidate any checkpoint (DCP shards or DeepSpeed ZeRO) into one safetensors file")
+@command("export", "a Hugging Face folder of any architecture (--format hf), or one safetensors file")
 def cmd_export(argv: list[str]) -> int:
-    from archscale.export.consolidate import consolidate
-
-    p = argparse.ArgumentParser(prog="archscale export")
+    p = argparse.ArgumentParser(prog="archscale export", description=(
+        "--format hf: a folder transformers opens with AutoModelForCausalLM / AutoTokenizer (the Transformer++ as "
+        "native Llama, other architectures with trust_remote_code=True). --format safetensors: one file of fp32 "
+        "weights with the model config as metadata (any checkpoint format, any world size)."))
     p.add_argument("--checkpoint", required=True, help="run dir (uses its latest checkpoint) or checkpoints/step-*")
-    p.add_argument("--out", required=True, help="output .safetensors file (fp32 weights + model config metadata)")
+    p.add_argument("--out", required=True, help="output folder (hf) or .safetensors file")
+    p.add_argument("--format", choices=["hf", "safetensors"], default=None,
+                   help="default: safetensors when --out ends in .safetensors, else hf")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="hf: weight dtype")
+    p.add_argument("--max_shard_size", default="5GB", help="hf: shard model.safetensors above this size")
+    p.add_argument("--tokenizer", default=None, help="hf: override the run's recorded tokenizer")
     a = p.parse_args(argv)
-    print(f"wrote {consolidate(a.checkpoint, a.out)}")
+    fmt = a.format or ("safetensors" if a.out.endswith(".safetensors") else "hf")
+    if fmt == "safetensors":
+        from archscale.export.consolidate import consolidate
+        print(f"wrote {consolidate(a.checkpoint, a.out)}")
+        return 0
+    from archscale.export.hf_folder import export_hf
+    out = export_hf(a.checkpoint, a.out, dtype=a.dtype, max_shard_size=a.max_shard_size, tokenizer=a.tokenizer)
+    print(f"wrote {out}")
     return 0
 
 

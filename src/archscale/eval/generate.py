@@ -28,7 +28,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
-    """Return (model in eval mode, the run's resolved config dict)."""
+    """Return (model in eval mode, the run's resolved config dict). `path` may also be an exported HF folder,
+    a quantized folder or an exported safetensors file."""
+    from archscale.export.load import exported_kind, load_exported
+
+    if exported_kind(path):
+        ex = load_exported(path, device)
+        return ex.model.eval(), ex.run_cfg
     step_dir = resolve_checkpoint(path)
     run_cfg = yaml.safe_load((step_dir / "config.yaml").read_text())
     model = GPT(ModelConfig(**run_cfg["model"]))

@@ -101,15 +101,38 @@ def resolve_tokenizer(run_dir: Path | None, run_cfg: dict, override: str | None)
     return Tokenizer(path)
 
 
+def _load_exported_eval_model(checkpoint: str | Path, device, tokenizer: str | None, precision: str) -> EvalModel:
+    """An exported HF folder / quantized folder / safetensors file: its own tokenizer unless overridden."""
+    from archscale.data.tokenizer import Tokenizer
+    from archscale.export.load import load_exported
+
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ex = load_exported(checkpoint, dev)
+    path = Path(checkpoint)
+    if tokenizer is None and ex.tokenizer_path is None:
+        raise UserError(f"--checkpoint {checkpoint}: holds no tokenizer.json; pass --tokenizer PATH")
+    tok = Tokenizer(tokenizer or ex.tokenizer_path)
+    cfg = ex.model.config
+    if tok.vocab_size > cfg.padded_vocab_size:
+        raise UserError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but the model only {cfg.vocab_size}")
+    return EvalModel(model=ex.model.eval(), tokenizer=tok, train_len=cfg.block_size, step_dir=path,
+                     run_dir=path if path.is_dir() else path.parent, run_cfg=ex.run_cfg, device=dev,
+                     precision=precision)
+
+
 def load_eval_model(checkpoint: str | Path, device: str | torch.device | None = None, tokenizer: str | None = None,
                     precision: str = "fp32") -> EvalModel:
-    """Resolve a run dir / checkpoints dir / step dir and load everything evaluation needs."""
+    """Resolve a run dir / checkpoints dir / step dir (or an exported folder / file) and load everything
+    evaluation needs."""
     from archscale.eval.generate import resolve_checkpoint
+    from archscale.export.load import exported_kind
     from archscale.models.model import GPT
     from archscale.train import checkpoint as ckpt
 
     if precision not in ("fp32", "bf16"):
         raise UserError(f"--precision must be fp32 or bf16, got {precision!r}")
+    if exported_kind(checkpoint):
+        return _load_exported_eval_model(checkpoint, device, tokenizer, precision)
     step_dir = resolve_checkpoint(checkpoint)
     cfg_path = step_dir / "config.yaml"
     if not cfg_path.is_file():
