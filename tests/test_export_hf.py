@@ -241,26 +241,8 @@ def test_left_padding_is_refused(folders):
 
 # ----------------------------------------------------------------------------------------- CLI, end to end
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Tiny real training runs (3 steps) of a Transformer++ and a SambaY, with a BPE tokenizer in the manifest."""
-    from archscale.data.prepare import prepare
-    from archscale.data.tokenizer import train_bpe
-
-    d = tmp_path_factory.mktemp("runs")
-    paras = [p for p in ESSAY.read_text().split("\n\n") if p.strip()]
-    (d / "c.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paras))
-    train_bpe([str(d / "c.jsonl")], VOCAB, str(d / "tok.json"))
-    prepare([str(d / "c.jsonl")], str(d / "data"), str(d / "tok.json"), val_fraction=0.2, chunk_size=8192,
-            progress=False, num_workers=1)
-    out = {}
-    for arch, depth in (("transformer", "1"), ("sambay", "4")):
-        assert main(["pretrain", "--train_data_dir", str(d / "data"), "--train_model", arch, "--depth", depth,
-                     "--ar", "16", "--ctx_len", "32", "--micro_bsz", "2", "--base_hps.b0", "128", "--max_tokens",
-                     "384", "--base_hps.warmup_tokens0", "128", "--eval_iters", "1", "--eval_interval", "2",
-                     "--vocab_size", str(VOCAB), "--out_dir", str(d / arch), "--progress", "false",
-                     "--precision", "fp32", "--resume", "none"]) == 0
-        out[arch] = d / arch
-    return out
+def runs(tiny_runs):
+    return tiny_runs
 
 
 @pytest.mark.parametrize("arch", ["transformer", "sambay"])

@@ -6,6 +6,7 @@
     archscale generate ...         sample text from a checkpoint (cached decoding)
     archscale export ...           a Hugging Face folder (--format hf) or one safetensors file
     archscale eval / report ...    evaluate a checkpoint (ppl, Phonebook, RULER NIAH, lm-eval) / plot the results
+    archscale lm_eval ARGS...      lm-eval's own command line, our model registered (--model archscale)
     archscale sweep / analyze / fit ...   scaling studies: run a study file, tabulate it, fit L = A X^-b + C
     archscale demo                 the whole pipeline on a small public-domain corpus, in minutes on a CPU
 
@@ -184,6 +185,13 @@ def cmd_demo(argv: list[str]) -> int:
 def cmd_eval(argv: list[str]) -> int:
     from archscale.eval_cli import run_eval
     return run_eval(argv)
+
+
+@command("lm_eval", "lm-evaluation-harness's own command line with archscale's model: --model archscale "
+                    "--model_args pretrained=RUN ...")
+def cmd_lm_eval(argv: list[str]) -> int:
+    from archscale.eval.lm_eval_cli import run_lm_eval
+    return run_lm_eval(argv)
 
 
 @command("report", "plot `archscale eval` results as a grouped summary PNG")
