@@ -8,6 +8,7 @@
     archscale eval / report ...    evaluate a checkpoint (ppl, Phonebook, RULER NIAH, lm-eval) / plot the results
     archscale lm_eval ARGS...      lm-eval's own command line, our model registered (--model archscale)
     archscale sweep / analyze / fit ...   scaling studies: run a study file, tabulate it, fit L = A X^-b + C
+    archscale quantize ...         int8 / NF4 weights (torchao) into a folder eval and generate read
     archscale demo                 the whole pipeline on a small public-domain corpus, in minutes on a CPU
 
 Bad input raises `UserError`, printed on one line with exit code 2 (no traceback).
@@ -165,6 +166,25 @@ def cmd_export(argv: list[str]) -> int:
     from archscale.export.hf_folder import export_hf
     out = export_hf(a.checkpoint, a.out, dtype=a.dtype, max_shard_size=a.max_shard_size, tokenizer=a.tokenizer)
     print(f"wrote {out}")
+    return 0
+
+
+@command("quantize", "int8 (dynamic or weight-only) or NF4 weights with torchao -> a folder eval/generate read")
+def cmd_quantize(argv: list[str]) -> int:
+    from archscale.quantize import METHODS, quantize_checkpoint
+
+    p = argparse.ArgumentParser(prog="archscale quantize", description=(
+        "Post-training quantisation of every linear layer with torchao (CPU or CUDA). The folder holds the "
+        "quantised tensors (safetensors) and a JSON recipe; pass it to eval / generate as --checkpoint. "
+        "See docs/QUANTIZATION.md."))
+    p.add_argument("--checkpoint", required=True, help="run dir, checkpoints/step-*, or an exported HF folder")
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    p.add_argument("--tokenizer", default=None, help="override the run's recorded tokenizer")
+    a = p.parse_args(argv)
+    recipe = quantize_checkpoint(a.checkpoint, a.method, a.out, tokenizer=a.tokenizer)
+    print(f"wrote {a.out}: {a.method} ({recipe['library']}), {len(recipe['quantized'])} linear layers quantised"
+          + (f", {len(recipe['skipped'])} kept in fp32" if recipe["skipped"] else ""))
     return 0
 
 

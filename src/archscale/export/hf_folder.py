@@ -25,10 +25,27 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RUN_FILE = "archscale_run.json"
 
 
-def _fresh_out_dir(out: str | Path) -> Path:
+def fresh_out_dir(out: str | Path) -> Path:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out}: already exists and is not an empty folder; choose a new path")
+    return out
+
+
+def write_atomically(out: str | Path, fill) -> Path:
+    """Call `fill(tmp_dir)` on a fresh temp folder beside `out`, then rename it to `out` (never half-written)."""
+    out = fresh_out_dir(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        fill(tmp)
+        if out.exists():
+            out.rmdir()  # empty (checked by fresh_out_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -124,19 +141,17 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", max_
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    out = _fresh_out_dir(out)
+    out = fresh_out_dir(out)
     return write_hf_folder(load_eval_model(checkpoint, device="cpu", tokenizer=tokenizer), out, dtype,
                            max_shard_size)
 
 
 def write_hf_folder(em, out: str | Path, dtype: str = "fp32", max_shard_size: str = "5GB") -> Path:
-    """The folder for an `EvalModel` (model + tokenizer + run config), written atomically (a temp dir renamed)."""
-    out = _fresh_out_dir(out)
+    """The folder for an `EvalModel` (model + tokenizer + run config), written atomically."""
+    fresh_out_dir(out)
     kind, hf = _build_hf_model(em.model, em.tokenizer, DTYPES[dtype])
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+
+    def fill(tmp: Path) -> None:
         hf.save_pretrained(tmp, max_shard_size=max_shard_size)
         if kind == "archscale":
             from archscale.export.hf_model import (CONFIGURATION_FILE, CONFIGURATION_SOURCE, MODELING_FILE,
@@ -146,10 +161,5 @@ def write_hf_folder(em, out: str | Path, dtype: str = "fp32", max_shard_size: st
         tokenizer_files(em.tokenizer, tmp, em.model.config.block_size)
         (tmp / RUN_FILE).write_text(json.dumps(em.run_cfg, indent=2, default=str) + "\n")
         (tmp / "README.md").write_text(model_card(em, em.model.config, kind, dtype))
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return write_atomically(out, fill)

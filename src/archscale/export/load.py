@@ -96,9 +96,11 @@ def _model_config(d: dict, where: str) -> ModelConfig:
                         f"({str(e).splitlines()[0]})") from None
 
 
-def load_state_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: str) -> None:
-    """Load `sd` (any float dtype) into `model`; a tied lm_head may be absent. One-line error on any mismatch."""
-    own = model.state_dict()
+def load_state_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: str,
+                      skip: set[str] = frozenset()) -> None:
+    """Load `sd` (any float dtype) into `model`; a tied lm_head may be absent; names in `skip` (already set,
+    e.g. quantised weights) are left alone. One-line error on any mismatch."""
+    own = {k: v for k, v in model.state_dict().items() if k not in skip}
     if model.config.tie_embeddings:
         sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
         own.pop("lm_head.weight", None)
