@@ -34,3 +34,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tmp_path_factory):
+    """Tiny real training runs (3 steps, ctx 32) of a Transformer++ (d1) and a SambaY (d4) on Milton's
+    Areopagitica, with their own 320-token BPE tokenizer recorded in the data manifest."""
+    from pathlib import Path
+
+    from archscale.cli import main
+    from archscale.data.prepare import prepare
+    from archscale.data.tokenizer import train_bpe
+
+    essay = Path(__file__).resolve().parents[1] / "src" / "archscale" / "eval" / "data" / "areopagitica.txt"
+    d = tmp_path_factory.mktemp("tiny_runs")
+    paras = [p for p in essay.read_text().split("\n\n") if p.strip()]
+    (d / "c.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paras))
+    train_bpe([str(d / "c.jsonl")], 320, str(d / "tok.json"))
+    prepare([str(d / "c.jsonl")], str(d / "data"), str(d / "tok.json"), val_fraction=0.2, chunk_size=8192,
+            progress=False, num_workers=1)
+    out = {}
+    for arch, depth in (("transformer", "1"), ("sambay", "4")):
+        assert main(["pretrain", "--train_data_dir", str(d / "data"), "--train_model", arch, "--depth", depth,
+                     "--ar", "16", "--ctx_len", "32", "--micro_bsz", "2", "--base_hps.b0", "128", "--max_tokens",
+                     "384", "--base_hps.warmup_tokens0", "128", "--eval_iters", "1", "--eval_interval", "2",
+                     "--vocab_size", "320", "--out_dir", str(d / arch), "--progress", "false",
+                     "--precision", "fp32", "--resume", "none"]) == 0
+        out[arch] = d / arch
+    return out

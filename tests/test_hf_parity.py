@@ -21,7 +21,7 @@ from archscale.export import to_llama_config, to_llama_model, to_llama_state_dic
 from archscale.models import GPT  # noqa: E402
 
 TOL = 1e-4
-VOCAB = 1000  # padded to 1024: HF sees the padded rows, we compare on the first 1000 columns
+VOCAB = 1000  # padded to 1024 in our GPT; the export drops the padding rows, so HF has exactly 1000
 B, T = 2, 33
 
 
@@ -52,8 +52,8 @@ def max_diff(model: GPT, hf, idx: torch.Tensor) -> float:
     ours = model(idx)
     theirs = hf(input_ids=idx).logits
     assert ours.shape == (B, T, VOCAB)
-    assert theirs.shape == (B, T, model.config.padded_vocab_size)
-    return (ours - theirs[..., :VOCAB]).abs().max().item()
+    assert theirs.shape == (B, T, VOCAB)
+    return (ours - theirs).abs().max().item()
 
 
 def load_state(model: GPT, state: dict[str, torch.Tensor], attn: str = "eager", **config_overrides):
@@ -176,12 +176,21 @@ def test_negative_control_wrong_mapping_fails(mistake):
     assert diff > 1e-3, f"{mistake}: diff {diff:.3e} would have passed"
 
 
-def test_padded_vocab_rows_are_exported():
+def test_padded_vocab_rows_are_dropped_and_restored():
+    from archscale.export import from_llama_state_dict
+
     model = make_model()
     assert model.config.padded_vocab_size == 1024 > VOCAB
     state = to_llama_state_dict(model)
-    assert torch.equal(state["model.embed_tokens.weight"], model.wte.weight)
-    assert to_llama_config(model.config).vocab_size == 1024
+    assert torch.equal(state["model.embed_tokens.weight"], model.wte.weight[:VOCAB])
+    assert to_llama_config(model.config).vocab_size == VOCAB
+    back = from_llama_state_dict(state, model.config)
+    assert back["wte.weight"].shape == (1024, model.config.n_embd)
+    assert torch.equal(back["wte.weight"][:VOCAB], model.wte.weight[:VOCAB])
+    assert not back["wte.weight"][VOCAB:].any()
+    restored = GPT(model.config)
+    restored.load_state_dict(back, strict=True)
+    assert torch.equal(restored.eval()(tokens()), model(tokens()))
 
 
 def test_rope_base_and_eps_reach_the_config():
@@ -195,8 +204,15 @@ def test_rope_base_and_eps_reach_the_config():
 
 
 @pytest.mark.parametrize("field", ["residual_scale", "logit_scale", "attn_scale_mult"])
-def test_multipliers_are_refused(field):
+def test_each_multiplier_is_folded(field):
     model = make_model(**{field: 0.5})
+    diff = max_diff(model, to_llama_model(model), tokens())
+    assert diff <= TOL, f"{field}: {diff:.3e}"
+
+
+@pytest.mark.parametrize("field,value", [("norm_class", "layernorm"), ("nope", True), ("rope_scaling", 2.0)])
+def test_what_llama_cannot_express_is_refused(field, value):
+    model = make_model(**{field: value})
     with pytest.raises(UserError, match=field):
         to_llama_config(model.config)
     with pytest.raises(UserError, match=field):

@@ -4,9 +4,11 @@
     archscale tokenizer train ...  train a byte-level BPE tokenizer
     archscale pretrain ...         train a model (seed-compatible flags; --help lists them all)
     archscale generate ...         sample text from a checkpoint (cached decoding)
-    archscale export ...           consolidate any checkpoint into one safetensors file
+    archscale export ...           a Hugging Face folder (--format hf) or one safetensors file
     archscale eval / report ...    evaluate a checkpoint (ppl, Phonebook, RULER NIAH, lm-eval) / plot the results
+    archscale lm_eval ARGS...      lm-eval's own command line, our model registered (--model archscale)
     archscale sweep / analyze / fit ...   scaling studies: run a study file, tabulate it, fit L = A X^-b + C
+    archscale quantize ...         int8 / NF4 weights (torchao) into a folder eval and generate read
     archscale demo                 the whole pipeline on a small public-domain corpus, in minutes on a CPU
 
 Bad input raises `UserError`, printed on one line with exit code 2 (no traceback).
@@ -93,14 +95,15 @@ def cmd_tokenizer(argv: list[str]) -> int:
     return 0
 
 
-@command("generate", "sample text from a checkpoint or run dir")
+@command("generate", "sample text from a checkpoint, run dir, exported HF folder or quantized folder")
 def cmd_generate(argv: list[str]) -> int:
     from archscale.eval.generate import generate_text
     from archscale.runs import load_run
 
     p = argparse.ArgumentParser(prog="archscale generate")
-    p.add_argument("--checkpoint", required=True, help="run dir (uses its latest checkpoint) or checkpoints/step-*")
-    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--checkpoint", required=True, help="run dir (uses its latest checkpoint), checkpoints/step-*, "
+                                                       "an `archscale export` folder or an `archscale quantize` folder")
+    p.add_argument("--tokenizer", default=None, help="default: the run's recorded tokenizer / the folder's own")
     p.add_argument("--prompt", default="")
     p.add_argument("--max_new_tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -125,15 +128,47 @@ def check_generate_args(a) -> None:
             raise UserError(msg)
 
 
-@command("export", "consolidate any checkpoint (DCP shards or DeepSpeed ZeRO) into one safetensors file")
+@command("export", "a Hugging Face folder of any architecture (--format hf), or one safetensors file")
 def cmd_export(argv: list[str]) -> int:
-    from archscale.export.consolidate import consolidate
-
-    p = argparse.ArgumentParser(prog="archscale export")
+    p = argparse.ArgumentParser(prog="archscale export", description=(
+        "--format hf: a folder transformers opens with AutoModelForCausalLM / AutoTokenizer (the Transformer++ as "
+        "native Llama, other architectures with trust_remote_code=True). --format safetensors: one file of fp32 "
+        "weights with the model config as metadata (any checkpoint format, any world size)."))
     p.add_argument("--checkpoint", required=True, help="run dir (uses its latest checkpoint) or checkpoints/step-*")
-    p.add_argument("--out", required=True, help="output .safetensors file (fp32 weights + model config metadata)")
+    p.add_argument("--out", required=True, help="output folder (hf) or .safetensors file")
+    p.add_argument("--format", choices=["hf", "safetensors"], default=None,
+                   help="default: safetensors when --out ends in .safetensors, else hf")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="hf: weight dtype")
+    p.add_argument("--max_shard_size", default="5GB", help="hf: shard model.safetensors above this size")
+    p.add_argument("--tokenizer", default=None, help="hf: override the run's recorded tokenizer")
     a = p.parse_args(argv)
-    print(f"wrote {consolidate(a.checkpoint, a.out)}")
+    fmt = a.format or ("safetensors" if a.out.endswith(".safetensors") else "hf")
+    if fmt == "safetensors":
+        from archscale.export.consolidate import consolidate
+        print(f"wrote {consolidate(a.checkpoint, a.out)}")
+        return 0
+    from archscale.export.hf_folder import export_hf
+    out = export_hf(a.checkpoint, a.out, dtype=a.dtype, max_shard_size=a.max_shard_size, tokenizer=a.tokenizer)
+    print(f"wrote {out}")
+    return 0
+
+
+@command("quantize", "int8 (dynamic or weight-only) or NF4 weights with torchao -> a folder eval/generate read")
+def cmd_quantize(argv: list[str]) -> int:
+    from archscale.quantize import METHODS, quantize_checkpoint
+
+    p = argparse.ArgumentParser(prog="archscale quantize", description=(
+        "Post-training quantisation of every linear layer with torchao (CPU or CUDA). The folder holds the "
+        "quantised tensors (safetensors) and a JSON recipe; pass it to eval / generate as --checkpoint. "
+        "See docs/QUANTIZATION.md."))
+    p.add_argument("--checkpoint", required=True, help="run dir, checkpoints/step-*, or an exported HF folder")
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    p.add_argument("--tokenizer", default=None, help="override the run's recorded tokenizer")
+    a = p.parse_args(argv)
+    recipe = quantize_checkpoint(a.checkpoint, a.method, a.out, tokenizer=a.tokenizer)
+    print(f"wrote {a.out}: {a.method} ({recipe['library']}), {len(recipe['quantized'])} linear layers quantised"
+          + (f", {len(recipe['skipped'])} kept in fp32" if recipe["skipped"] else ""))
     return 0
 
 
@@ -154,6 +189,13 @@ def cmd_demo(argv: list[str]) -> int:
 def cmd_eval(argv: list[str]) -> int:
     from archscale.eval_cli import run_eval
     return run_eval(argv)
+
+
+@command("lm_eval", "lm-evaluation-harness's own command line with archscale's model: --model archscale "
+                    "--model_args pretrained=RUN ...")
+def cmd_lm_eval(argv: list[str]) -> int:
+    from archscale.eval.lm_eval_cli import run_lm_eval
+    return run_lm_eval(argv)
 
 
 @command("report", "plot `archscale eval` results as a grouped summary PNG")

@@ -102,13 +102,17 @@ def model_config_of(run_cfg: dict, flag: str, where: Path) -> ModelConfig:
 
 def load_run(path: str | Path, *, device: str | torch.device | None = "cpu", tokenizer: bool = False,
              tokenizer_path: Optional[str] = None, flag: str = "--checkpoint") -> LoadedRun:
-    """Rebuild a run's model (weights from either checkpoint format, no optimizer) in eval mode.
+    """Rebuild a run's model (weights from either checkpoint format, no optimizer) in eval mode. `path` may also
+    be an exported HF folder, a quantized folder or an exported safetensors file (`archscale.export.load`).
 
     `device=None` picks CUDA when available. With `tokenizer=True` (or a `tokenizer_path`) the tokenizer is
     loaded too and checked against the model's vocabulary."""
+    from archscale.export.load import exported_kind
     from archscale.models.model import GPT
     from archscale.train import checkpoint as ckpt
 
+    if exported_kind(path):
+        return _load_exported_run(path, device, tokenizer or bool(tokenizer_path), tokenizer_path, flag)
     step_dir = resolve_checkpoint(path, flag)
     run_cfg = read_run_config(step_dir, flag)
     model_cfg = model_config_of(run_cfg, flag, Path(path))
@@ -124,10 +128,32 @@ def load_run(path: str | Path, *, device: str | torch.device | None = "cpu", tok
     run = LoadedRun(model=model.to(dev).eval(), model_config=model_cfg, run_config=run_cfg, step_dir=step_dir,
                     run_dir=run_dir_of(step_dir), device=dev)
     if tokenizer or tokenizer_path:
-        run.tokenizer = resolve_tokenizer(run.run_dir, run_cfg, tokenizer_path)
-        if run.tokenizer.vocab_size > model_cfg.padded_vocab_size:
-            raise UserError(f"tokenizer {run.tokenizer.path} has {run.tokenizer.vocab_size} tokens but the model "
-                            f"only {model_cfg.vocab_size}; pass the tokenizer the run was trained with")
+        _attach_tokenizer(run, resolve_tokenizer(run.run_dir, run_cfg, tokenizer_path))
+    return run
+
+
+def _attach_tokenizer(run: LoadedRun, tok: Any) -> None:
+    if tok.vocab_size > run.model_config.padded_vocab_size:
+        raise UserError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but the model only "
+                        f"{run.model_config.vocab_size}; pass the tokenizer the run was trained with")
+    run.tokenizer = tok
+
+
+def _load_exported_run(path: str | Path, device, tokenizer: bool, tokenizer_path: Optional[str],
+                       flag: str) -> LoadedRun:
+    """An exported HF folder / quantized folder / safetensors file: its own tokenizer unless overridden."""
+    from archscale.data.tokenizer import Tokenizer
+    from archscale.export.load import load_exported
+
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ex = load_exported(path, dev)
+    path = Path(path)
+    run = LoadedRun(model=ex.model.eval(), model_config=ex.model.config, run_config=ex.run_cfg, step_dir=path,
+                    run_dir=path if path.is_dir() else path.parent, device=dev)
+    if tokenizer:
+        if tokenizer_path is None and ex.tokenizer_path is None:
+            raise UserError(f"{flag} {path}: holds no tokenizer.json; pass --tokenizer PATH")
+        _attach_tokenizer(run, Tokenizer(tokenizer_path or ex.tokenizer_path))
     return run
 
 

@@ -151,7 +151,8 @@ def _manifest_dtype(data_dir: Path) -> str | None:
     try:
         return str(np.dtype(dtype))
     except TypeError:
-        raise UserError(f"{data_dir / MANIFEST}: unknown dtype {dtype!r}; re-create it with `archscale prepare`") from None
+        raise UserError(f"{data_dir / shard_format.MANIFEST}: unknown dtype {dtype!r}; re-create it with "
+                        "`archscale prepare`") from None
 
 
 def _block_counts(files: list[Path], block_size: int) -> np.ndarray:

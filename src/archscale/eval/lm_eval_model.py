@@ -1,8 +1,14 @@
-"""The lm-evaluation-harness adapter: our model as an lm-eval `LM`, registered under the name "archscale".
+"""The lm-evaluation-harness adapter: our model as an lm-eval `LM`, registered as "archscale" and "ArchScale".
 
     from archscale.eval.lm_eval_model import ArchScaleLM
     lm = ArchScaleLM(eval_model, batch_size=8, max_length=4096)      # or: lm_eval model "archscale",
-    lm_eval.simple_evaluate(model=lm, tasks=[...])                     #     model_args "checkpoint=RUN_DIR"
+    lm_eval.simple_evaluate(model=lm, tasks=[...])                     #     model_args "pretrained=RUN_DIR"
+
+`archscale lm_eval ARGS...` runs lm-eval's own command line with this model registered. Model args (the seed's
+form): pretrained=PATH (run dir, checkpoint, exported HF folder, quantized folder; `checkpoint=` is a synonym),
+config=NAME (optional, e.g. sambay_d16: checked against the checkpoint), max_length=N, batch_size=N (or lm-eval's
+--batch_size), device=cpu|cuda[:i] (or --device; default: cuda if there is one, else cpu), tokenizer=PATH,
+precision=fp32|bf16 (dtype=float32|bfloat16 also accepted).
 
 Scoring conventions (those of lm-eval's HF model): a context's trailing whitespace moves to the continuation;
 context + continuation are encoded together and split at the context's token count; an empty context is
@@ -16,10 +22,13 @@ the text at the first stop string.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 
 try:
+    import lm_eval.models  # noqa: F401  (lm-eval fills its registry lazily only while it is empty: do it first)
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
 except ImportError:  # pragma: no cover - exercised only without the `eval` extra
@@ -31,16 +40,45 @@ except ImportError:  # pragma: no cover - exercised only without the `eval` extr
 from archscale.eval.decode import greedy_batch
 
 
-@register_model("archscale")
+MODEL_ARGS = ("pretrained", "checkpoint", "config", "max_length", "batch_size", "device", "tokenizer", "precision",
+              "dtype")
+PRECISIONS = {"fp32": "fp32", "float32": "fp32", "auto": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def _check_config_name(name: str, cfg) -> None:
+    """The seed's `config=sambay_d16` names the architecture and depth; it must be what the checkpoint holds."""
+    from archscale.errors import UserError
+
+    m = re.fullmatch(r"([a-z0-9]+)_d(\d+)", str(name))
+    if not m:
+        raise UserError(f"--model_args config={name}: expected '<arch>_d<depth>', e.g. sambay_d16")
+    if (m[1], int(m[2])) != (cfg.arch, cfg.n_layer):
+        raise UserError(f"--model_args config={name} conflicts with the checkpoint, which holds "
+                        f"{cfg.arch}_d{cfg.n_layer}; drop config= (it is read from the checkpoint)")
+
+
+@register_model("archscale", "ArchScale")
 class ArchScaleLM(LM):
+    # The value lm-eval's command line passes as `device` when the user gave no --device (set by
+    # `archscale lm_eval`): treated as "not given", so the device defaults to what exists.
+    cli_default_device: str | None = None
+
     def __init__(self, eval_model=None, batch_size: int = 8, max_length: int | None = None, checkpoint=None,
-                 device=None, tokenizer=None, precision: str = "fp32"):
+                 device=None, tokenizer=None, precision: str = "fp32", pretrained=None, config: str | None = None):
         super().__init__()
         if eval_model is None:
             from archscale.eval.loading import load_eval_model
+            from archscale.errors import UserError
+
+            checkpoint = checkpoint or pretrained
             if checkpoint is None:
-                raise ValueError("ArchScaleLM needs an EvalModel or checkpoint=RUN_DIR")
+                raise UserError("the archscale lm-eval model needs --model_args pretrained=PATH "
+                                "(a run dir, checkpoint, or exported folder)")
+            if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+                raise UserError(f"device {device}: no CUDA device here; use device=cpu or leave it out")
             eval_model = load_eval_model(checkpoint, device=device, tokenizer=tokenizer, precision=precision)
+        if config is not None:
+            _check_config_name(config, eval_model.model.config)
         self.em = eval_model
         self.tok = eval_model.tokenizer
         self.batch_size_per_gpu = int(batch_size)
@@ -49,14 +87,32 @@ class ArchScaleLM(LM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
-        """lm-eval's `model_args`: checkpoint=RUN_DIR[,tokenizer=PATH,max_length=N,precision=bf16,batch_size=N]."""
-        kv = dict(x.split("=", 1) for x in arg_string.split(",") if x)
+        from lm_eval.utils import simple_parse_args_string
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """model_args (dict) + lm-eval's own --batch_size / --device: model_args win, no keyword collides."""
+        from archscale.errors import UserError
+
+        kv = dict(arg_dict or {})
+        unknown = sorted(set(kv) - set(MODEL_ARGS))
+        if unknown:
+            raise UserError(f"--model_args: unknown key(s) {', '.join(unknown)} for the archscale model; "
+                            f"accepted: {', '.join(MODEL_ARGS)}")
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        if extra.get("device") is not None and extra["device"] == cls.cli_default_device:
+            extra.pop("device")  # lm-eval's default, not the user's choice
         batch = kv.get("batch_size", extra.get("batch_size", 8))
-        return cls(checkpoint=kv.get("checkpoint") or kv.get("pretrained"), tokenizer=kv.get("tokenizer"),
-                   max_length=int(kv["max_length"]) if "max_length" in kv else None,
-                   precision=kv.get("precision", "fp32"), device=kv.get("device", extra.get("device")),
-                   batch_size=int(batch) if str(batch).isdigit() else 8)
+        if not str(batch).isdigit() or int(batch) < 1:
+            raise UserError(f"batch_size={batch}: the archscale model needs a positive integer (no 'auto')")
+        precision = str(kv.get("precision", kv.get("dtype", "fp32"))).lower()
+        if precision not in PRECISIONS:
+            raise UserError(f"--model_args precision={precision}: use fp32 or bf16")
+        return cls(pretrained=kv.get("pretrained") or kv.get("checkpoint"), tokenizer=kv.get("tokenizer"),
+                   max_length=int(kv["max_length"]) if kv.get("max_length") else None,
+                   precision=PRECISIONS[precision], device=kv.get("device", extra.get("device")),
+                   batch_size=int(batch), config=kv.get("config"))
 
     # ------------------------------------------------------------------------------------------- helpers
     @property

@@ -14,11 +14,15 @@ differs:
     ln_f.weight                            model.norm.weight
     lm_head.weight                         lm_head.weight (tied to embed_tokens when tie_embeddings)
 
-HF's vocab_size is our *padded* vocab size (the extra rows are exported as they are); our `GPT` slices its
-logits to `vocab_size`, so compare or decode on the first `vocab_size` columns only. The mu-P multipliers
-(`residual_scale`, `logit_scale`, `attn_scale_mult`) have no Llama equivalent, so configs that use them are
-refused rather than exported wrong. `transformers` is an optional extra (`pip install archscale[hf]`) and is
-imported only inside these functions.
+HF's vocab_size is our `vocab_size`: the padding rows of the embedding and lm_head (never a real token; our
+`GPT` slices its logits to `vocab_size`) are dropped, so the two softmaxes run over the same tokens. The mu-P /
+mu-P++ multipliers are folded exactly into the weights: `attn_scale_mult` into the query rows (softmax scale
+mult/sqrt(hd) = 1/sqrt(hd) on q * mult; RoPE is linear, so scaling before it is the same), `residual_scale` into
+the two output projections of every block (o_proj, down_proj), `logit_scale` into the final norm's gain (not the
+lm_head, which may be the tied embedding). `from_llama_state_dict` is the inverse (with the multipliers then
+1.0). Configs Llama cannot express (other mixers, LayerNorm, q/v-only biases, NoPE, RoPE scaling) are refused
+here; `archscale export --format hf` sends them to the archscale wrapper (`export/hf_model.py`) instead.
+`transformers` is an optional extra (`pip install archscale[hf]`) and is imported only inside these functions.
 """
 
 from __future__ import annotations
@@ -37,15 +41,20 @@ if TYPE_CHECKING:  # pragma: no cover
 _MULTIPLIERS = ("residual_scale", "logit_scale", "attn_scale_mult")
 
 
+def llama_incompatibility(cfg: ModelConfig) -> str | None:
+    """Why `cfg` cannot be a `LlamaForCausalLM` (None when it can)."""
+    if cfg.arch != "transformer" or set(cfg.layer_kinds) != {"attn"}:
+        return f"only the Transformer++ ('transformer') is a Llama, not {cfg.arch!r}"
+    checks = {"norm_class": cfg.norm_class != "rmsnorm", "attn_bias": cfg.attn_bias, "nope": cfg.nope,
+              "use_da": cfg.use_da, "rope_scaling": cfg.rope_scaling != 1.0}
+    odd = [f"{k}={getattr(cfg, k)}" for k, bad in checks.items() if bad]
+    return f"Llama has no equivalent of {', '.join(odd)}" if odd else None
+
+
 def _check_exportable(cfg: ModelConfig) -> None:
-    if cfg.arch != "transformer":
-        raise UserError(f"model config {cfg.name}: only the Transformer++ ('transformer') can be exported to "
-                        f"Llama, not {cfg.arch!r}")
-    odd = [f"{name}={getattr(cfg, name)}" for name in _MULTIPLIERS if getattr(cfg, name) != 1.0]
-    if odd:
-        raise UserError(f"model config {cfg.name}: Llama cannot represent the multipliers {', '.join(odd)}; "
-                        "only models trained with all of residual_scale, logit_scale and attn_scale_mult equal "
-                        "to 1.0 (standard parametrization) can be exported")
+    why = llama_incompatibility(cfg)
+    if why:
+        raise UserError(f"model config {cfg.name}: cannot be exported to Llama: {why}")
 
 
 def _import_transformers():
@@ -66,7 +75,7 @@ def to_llama_config(cfg: ModelConfig, **overrides: Any) -> "LlamaConfig":
     _check_exportable(cfg)
     transformers = _import_transformers()
     kwargs: dict[str, Any] = dict(
-        vocab_size=cfg.padded_vocab_size,
+        vocab_size=cfg.vocab_size,
         hidden_size=cfg.n_embd,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.n_layer,
@@ -93,25 +102,28 @@ def _linear(sd: dict[str, torch.Tensor], prefix: str, weight: torch.Tensor, bias
 
 
 def to_llama_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Our `GPT`'s weights under `LlamaForCausalLM` names (detached copies, contiguous, same dtype/device).
+    """Our `GPT`'s weights under `LlamaForCausalLM` names (detached copies, contiguous, same dtype/device),
+    with the mu-P multipliers folded in and the vocabulary padding rows dropped.
 
     Tied embeddings give one tensor stored under both `model.embed_tokens.weight` and `lm_head.weight`.
     """
     cfg: ModelConfig = model.config
     _check_exportable(cfg)
-    H, G, hd = cfg.n_head, cfg.n_query_groups, cfg.head_size
+    H, G, hd, V = cfg.n_head, cfg.n_query_groups, cfg.head_size, cfg.vocab_size
     sizes = (H * hd, G * hd, G * hd)
+    res = cfg.residual_scale
 
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone(memory_format=torch.contiguous_format)
+    def copy(t: torch.Tensor | None, scale: float = 1.0) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t.detach().clone(memory_format=torch.contiguous_format)
+        return t if scale == 1.0 else t.mul_(scale)
 
     def split(t: torch.Tensor | None, parts: tuple[int, ...]) -> tuple[torch.Tensor | None, ...]:
-        if t is None:
-            return (None,) * len(parts)
-        return tuple(copy(p) for p in t.split(parts, dim=0))
+        return (None,) * len(parts) if t is None else tuple(copy(p) for p in t.split(parts, dim=0))
 
     sd: dict[str, torch.Tensor] = {}
-    embed = copy(model.wte.weight)
+    embed = copy(model.wte.weight[:V])
     sd["model.embed_tokens.weight"] = embed
     for i, block in enumerate(model.blocks):
         p = f"model.layers.{i}"
@@ -119,22 +131,55 @@ def to_llama_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         sd[f"{p}.input_layernorm.weight"] = copy(block.norm_1.weight)
         qw, kw, vw = split(attn.attn.weight, sizes)
         qb, kb, vb = split(attn.attn.bias, sizes)
-        _linear(sd, f"{p}.self_attn.q_proj", qw, qb)
+        _linear(sd, f"{p}.self_attn.q_proj", qw.mul_(cfg.attn_scale_mult),
+                None if qb is None else qb.mul_(cfg.attn_scale_mult))
         _linear(sd, f"{p}.self_attn.k_proj", kw, kb)
         _linear(sd, f"{p}.self_attn.v_proj", vw, vb)
-        _linear(sd, f"{p}.self_attn.o_proj", copy(attn.proj.weight),
-                None if attn.proj.bias is None else copy(attn.proj.bias))
+        _linear(sd, f"{p}.self_attn.o_proj", copy(attn.proj.weight, res), copy(attn.proj.bias, res))
         sd[f"{p}.post_attention_layernorm.weight"] = copy(block.norm_2.weight)
         halves = (mlp.hidden, mlp.hidden)
         gw, uw = split(mlp.w1.weight, halves)
         gb, ub = split(mlp.w1.bias, halves)
         _linear(sd, f"{p}.mlp.gate_proj", gw, gb)
         _linear(sd, f"{p}.mlp.up_proj", uw, ub)
-        _linear(sd, f"{p}.mlp.down_proj", copy(mlp.w3.weight),
-                None if mlp.w3.bias is None else copy(mlp.w3.bias))
-    sd["model.norm.weight"] = copy(model.ln_f.weight)
-    sd["lm_head.weight"] = embed if cfg.tie_embeddings else copy(model.lm_head.weight)
+        _linear(sd, f"{p}.mlp.down_proj", copy(mlp.w3.weight, res), copy(mlp.w3.bias, res))
+    sd["model.norm.weight"] = copy(model.ln_f.weight, cfg.logit_scale)
+    sd["lm_head.weight"] = embed if cfg.tie_embeddings else copy(model.lm_head.weight[:V])
     return sd
+
+
+def from_llama_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of `to_llama_state_dict`: `GPT` names for `cfg` (whose multipliers must be 1.0: they are in
+    the weights now); the vocabulary padding rows come back as zeros. Raises KeyError for a missing tensor."""
+    if any(getattr(cfg, m) != 1.0 for m in _MULTIPLIERS):
+        raise ValueError("from_llama_state_dict wants a config with the multipliers folded (all 1.0)")
+    out: dict[str, torch.Tensor] = {}
+
+    def pad_vocab(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(cfg.padded_vocab_size - t.shape[0], t.shape[1])]) \
+            if t.shape[0] < cfg.padded_vocab_size else t
+
+    def cat(names: list[str], what: str) -> torch.Tensor | None:
+        keys = [f"{n}.{what}" for n in names]
+        return torch.cat([sd[k] for k in keys]) if all(k in sd for k in keys) else None
+
+    out["wte.weight"] = pad_vocab(sd["model.embed_tokens.weight"])
+    for i in range(cfg.n_layer):
+        p, q = f"model.layers.{i}", f"blocks.{i}"
+        qkv = [f"{p}.self_attn.{n}_proj" for n in "qkv"]
+        gate_up = [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
+        pairs = {f"{q}.norm_1.weight": sd[f"{p}.input_layernorm.weight"],
+                 f"{q}.mixer.attn.weight": cat(qkv, "weight"), f"{q}.mixer.attn.bias": cat(qkv, "bias"),
+                 f"{q}.mixer.proj.weight": sd[f"{p}.self_attn.o_proj.weight"],
+                 f"{q}.mixer.proj.bias": sd.get(f"{p}.self_attn.o_proj.bias"),
+                 f"{q}.norm_2.weight": sd[f"{p}.post_attention_layernorm.weight"],
+                 f"{q}.mlp.w1.weight": cat(gate_up, "weight"), f"{q}.mlp.w1.bias": cat(gate_up, "bias"),
+                 f"{q}.mlp.w3.weight": sd[f"{p}.mlp.down_proj.weight"],
+                 f"{q}.mlp.w3.bias": sd.get(f"{p}.mlp.down_proj.bias")}
+        out.update({k: v for k, v in pairs.items() if v is not None})
+    out["ln_f.weight"] = sd["model.norm.weight"]
+    out["lm_head.weight"] = out["wte.weight"] if cfg.tie_embeddings else pad_vocab(sd["lm_head.weight"])
+    return out
 
 
 def to_llama_model(model: nn.Module, dtype: torch.dtype = torch.float32, **config_overrides: Any) -> "LlamaForCausalLM":
