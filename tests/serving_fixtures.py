@@ -34,6 +34,25 @@ def tiny_model(arch: str, vocab_size: int, depth: int = 8, seed: int = 0, **kw) 
     return GPT(ModelConfig.from_arch(arch, depth, ar=8, **base)).eval()
 
 
+def make_run(d: Path) -> Path:
+    """A 2-step transformer_d1 run (ctx 32) on Areopagitica whose data manifest records its own BPE tokenizer."""
+    import json
+
+    from archscale.cli import main
+    from archscale.data.prepare import prepare
+
+    paras = [p for p in ESSAY.read_text().split("\n\n") if p.strip()]
+    (d / "c.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paras))
+    tiny_tokenizer(d)
+    prepare([str(d / "c.jsonl")], str(d / "data"), str(d / "tok.json"), val_fraction=0.2, chunk_size=8192,
+            progress=False, num_workers=1)
+    assert main(["pretrain", "--train_data_dir", str(d / "data"), "--train_model", "transformer", "--depth", "1",
+                 "--ctx_len", "32", "--micro_bsz", "2", "--base_hps.b0", "128", "--max_tokens", "256",
+                 "--base_hps.warmup_tokens0", "128", "--eval_iters", "1", "--eval_interval", "100",
+                 "--out_dir", str(d / "run"), "--progress", "false", "--precision", "fp32", "--resume", "none"]) == 0
+    return d / "run"
+
+
 @contextlib.contextmanager
 def running_server(model, tokenizer, name: str = "tiny", **engine_kw):
     """Yields (base_url, engine) for our app served by uvicorn on a free port of 127.0.0.1."""

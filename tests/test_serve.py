@@ -16,7 +16,7 @@ import torch
 
 from archscale.config import ARCHITECTURES
 from archscale.serve.batching import BatchState, decode_step, prefill
-from serving_fixtures import running_server, tiny_model, tiny_tokenizer
+from serving_fixtures import make_run, running_server, tiny_model, tiny_tokenizer
 
 PROMPTS = ["Lords and Commons of England", "books are not absolutely dead things", "Truth", "a licensing order"]
 
@@ -277,22 +277,7 @@ def test_full_queue_answers_503(tok):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A 2-step transformer_d1 run with its own tokenizer recorded by `archscale prepare`."""
-    from archscale.cli import main
-    from archscale.data.prepare import prepare
-    from serving_fixtures import ESSAY
-
-    d = tmp_path_factory.mktemp("serverun")
-    paras = [p for p in ESSAY.read_text().split("\n\n") if p.strip()]
-    (d / "c.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paras))
-    tiny_tokenizer(d)
-    prepare([str(d / "c.jsonl")], str(d / "data"), str(d / "tok.json"), val_fraction=0.2, chunk_size=8192,
-            progress=False, num_workers=1)
-    assert main(["pretrain", "--train_data_dir", str(d / "data"), "--train_model", "transformer", "--depth", "1",
-                 "--ctx_len", "32", "--micro_bsz", "2", "--base_hps.b0", "128", "--max_tokens", "256",
-                 "--base_hps.warmup_tokens0", "128", "--eval_iters", "1", "--eval_interval", "100",
-                 "--out_dir", str(d / "run"), "--progress", "false", "--precision", "fp32", "--resume", "none"]) == 0
-    return d / "run"
+    return make_run(tmp_path_factory.mktemp("serverun"))
 
 
 def free_port():
