@@ -131,7 +131,7 @@ def server(tok):
 
 
 def test_health_and_models(server):
-    c, engine = server.c, server.engine
+    c = server.c
     h = c.get("/health").json()
     assert h["status"] == "ok" and h["model"] == "tiny" and h["slots"] == 4
     m = c.get("/v1/models").json()

@@ -82,7 +82,6 @@ def draw_report(paths: list[str], out: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     docs = load_results(paths)
     labels: list[str] = []

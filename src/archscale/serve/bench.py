@@ -9,7 +9,6 @@ wall time, as a table and as JSON.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
