@@ -182,7 +182,7 @@ def _attention_step(m: Attention, x: torch.Tensor, ctx: ForwardContext, batch: B
         q, k = qk.split((H, G), dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, 1, G, hd).transpose(1, 2)
         slot = batch.kv[m.layer_idx]
-        n_keys = int(pos.max()) + 1
+        n_keys = shared["n_keys"]
         slot.ensure(n_keys)
         rows = torch.arange(B, device=x.device)
         slot.k[rows, :, pos] = k[:, :, 0]
@@ -206,13 +206,14 @@ def decode_step(batch: BatchState, tokens: torch.Tensor) -> torch.Tensor:
     model, B = batch.model, batch.rows
     cfg = model.config
     pos = torch.tensor(batch.lengths, device=tokens.device)
+    n_keys = max(batch.lengths) + 1  # from the host-side lengths: no device sync per layer
     cos = sin = None
     if not cfg.nope:
-        cos, sin = model.rope(int(pos.max()) + 1, tokens.device)
+        cos, sin = model.rope(n_keys, tokens.device)
         cos, sin = cos[pos][:, None, None, :], sin[pos][:, None, None, :]  # (B, 1, 1, hd/2)
     cache = _StackedCache(batch)
     ctx = ForwardContext(pos=0, cos=cos, sin=sin, cache=cache)
-    shared: dict = {}
+    shared: dict = {"n_keys": n_keys}
     x = model.wte(tokens[:, None]).float()
     for block in model.blocks:
         if isinstance(block.mixer, Attention):

@@ -67,6 +67,7 @@ class Sequence:
         self.out_ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters of text already emitted
+        self.prefix_at = self.read_at = 0  # incremental detokenization offsets into out_ids
         self.cancelled = False
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
@@ -224,12 +225,21 @@ class Engine:
             finish, ids = "stop", ids[:-1]
         elif len(seq.out_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.out_ids) >= self.max_model_len:
             finish = "length"
-        seq.text = self.tok.decode(ids)
+        self._detokenize(seq, ids, final=finish is not None)
         if p.stop:
             cut = self._find_stop(seq)
             if cut is not None:
                 seq.text, finish = seq.text[:cut], "stop"
         self._emit_text(seq, info, finish)
+
+    def _detokenize(self, seq: Sequence, ids: list[int], final: bool) -> None:
+        """Append the text of the new tokens, decoding only a short window (vLLM's and TGI's scheme: the tokens
+        before `read_at` give the context that decodes leading spaces and multi-byte characters right)."""
+        before = self.tok.decode(ids[seq.prefix_at:seq.read_at])
+        now = self.tok.decode(ids[seq.prefix_at:])
+        if final or (len(now) > len(before) and not now.endswith("\ufffd")):
+            seq.text += now[len(before):]
+            seq.prefix_at, seq.read_at = seq.read_at, len(ids)
 
     def _find_stop(self, seq: Sequence) -> int | None:
         start = max(0, seq.sent - max(len(s) for s in seq.params.stop))
