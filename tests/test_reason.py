@@ -116,6 +116,8 @@ def test_gsm8k_end_to_end_through_our_server(tmp_path, capsys):
     assert rows[0]["completions"] == ["7", "7"] and rows[0]["predictions"] == ["7", "7"]
     assert rows[1]["gold"] == "60" and rows[0]["prompt"].startswith("Question: Mia has 3 apples")
     assert "pass@1 0.500" in capsys.readouterr().out
+    from archscale.eval.report import reasoning_scores
+    assert reasoning_scores(doc) == {"gsm8k\npass@1": 0.5, "gsm8k\npass@2": 0.5}  # the report's bars
     png = tmp_path / "report.png"
     assert main(["report", str(out), "--out", str(png)]) == 0 and png.stat().st_size > 0
 

@@ -259,6 +259,17 @@ def test_client_disconnect_frees_its_slot(server):
     assert engine.stats()["steps"] - steps0 < 3900  # the sequence was dropped, not decoded to the end
 
 
+def test_plain_request_whose_client_leaves_is_cancelled(server):
+    c, engine = server.c, server.engine
+    assert wait_for(lambda: engine.stats()["active"] == 0)
+    steps0 = engine.stats()["steps"]
+    with httpx.Client(base_url=str(c.base_url), timeout=httpx.Timeout(60, read=0.5)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/completions", json={"prompt": "x", "max_tokens": 4000, "ignore_eos": True})
+    assert wait_for(lambda: engine.stats()["active"] == 0), engine.stats()
+    assert engine.stats()["steps"] - steps0 < 3900
+
+
 def test_full_queue_answers_503(tok):
     model = tiny_model("transformer", tok.vocab_size)
     with running_server(model, tok, max_model_len=4096, max_batch=1, max_queue=1) as (url, engine):
