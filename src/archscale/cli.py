@@ -9,6 +9,8 @@
     archscale lm_eval ARGS...      lm-eval's own command line, our model registered (--model archscale)
     archscale sweep / analyze / fit ...   scaling studies: run a study file, tabulate it, fit L = A X^-b + C
     archscale quantize ...         int8 / NF4 weights (torchao) into a folder eval and generate read
+    archscale serve / bench-serve ...     OpenAI-compatible server with continuous batching / its load-test client
+    archscale reason ...           GSM8K / MATH / AIME answers through a server or a checkpoint: pass@1, pass@k
     archscale demo                 the whole pipeline on a small public-domain corpus, in minutes on a CPU
 
 Bad input raises `UserError`, printed on one line with exit code 2 (no traceback).
@@ -220,6 +222,24 @@ def cmd_analyze(argv: list[str]) -> int:
 def cmd_fit(argv: list[str]) -> int:
     from archscale.studies.cli import fit_main
     return fit_main(argv)
+
+
+@command("serve", "OpenAI-compatible completions server (continuous batching) for a checkpoint")
+def cmd_serve(argv: list[str]) -> int:
+    from archscale.serve.cli import serve_main
+    return serve_main(argv)
+
+
+@command("bench-serve", "load-test an OpenAI-compatible server: latency percentiles, TTFT, ITL, tokens/s")
+def cmd_bench_serve(argv: list[str]) -> int:
+    from archscale.serve.cli import bench_main
+    return bench_main(argv)
+
+
+@command("reason", "reasoning eval (gsm8k, math, aime24) through a server or a checkpoint: pass@1, pass@k")
+def cmd_reason(argv: list[str]) -> int:
+    from archscale.reason.cli import reason_main
+    return reason_main(argv)
 
 
 def usage() -> str:

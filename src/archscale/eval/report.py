@@ -1,6 +1,7 @@
 """`archscale report`: one PNG summarising eval results, grouped as the seed reports them:
-standard (lm-eval scores), long context (Phonebook accuracy vs entries, RULER NIAH score vs tokens) and
-extrapolation (validation loss vs context length). Each results file is one series (its run name)."""
+standard (lm-eval scores), long context (Phonebook accuracy vs entries, RULER NIAH score vs tokens),
+extrapolation (validation loss vs context length) and reasoning (`archscale reason` pass@1 and pass@K). Each
+results file is one series (its run name)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,33 @@ def standard_scores(doc: dict) -> dict[str, float]:
     return out
 
 
+def reasoning_scores(doc: dict) -> dict[str, float]:
+    """`archscale reason` summaries: pass@1 and pass@K (K = the samples drawn) per task."""
+    out = {}
+    for task, r in (doc["results"].get("reason") or {}).items():
+        out[f"{task}\npass@1"] = float(r["pass@1"])
+        k = max(r.get("pass@k", {}), key=int, default=None)
+        if k is not None and k != "1":
+            out[f"{task}\npass@{k}"] = float(r["pass@k"][k])
+    return out
+
+
+def _bars(ax, docs_scores: list[dict[str, float]], labels: list[str], colors) -> bool:
+    import numpy as np
+
+    names = sorted({k for s in docs_scores for k in s})
+    if not names:
+        return False
+    width = 0.8 / len(docs_scores)
+    x = np.arange(len(names))
+    for i, s in enumerate(docs_scores):
+        ax.bar(x + i * width - 0.4 + width / 2, [s.get(n, np.nan) for n in names], width, label=labels[i],
+               color=colors[i % len(colors)])
+    ax.set_xticks(x, names, fontsize=8)
+    ax.set_ylim(0, 1)
+    return True
+
+
 def _no_data(ax, what: str) -> None:
     ax.text(0.5, 0.5, f"no {what} results", ha="center", va="center", transform=ax.transAxes)
 
@@ -54,27 +82,17 @@ def draw_report(paths: list[str], out: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     docs = load_results(paths)
     labels: list[str] = []
     for i, d in enumerate(docs):
         labels.append(_label(d, i, labels))
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.6))
+    fig, axes = plt.subplots(1, 5, figsize=(25, 4.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
     # standard
     ax = axes[0]
-    scores = [standard_scores(d) for d in docs]
-    names = sorted({k for s in scores for k in s})
-    if names:
-        width = 0.8 / len(docs)
-        x = np.arange(len(names))
-        for i, s in enumerate(scores):
-            ax.bar(x + i * width - 0.4 + width / 2, [s.get(n, np.nan) for n in names], width, label=labels[i],
-                   color=colors[i % len(colors)])
-        ax.set_xticks(x, names, fontsize=8)
-        ax.set_ylim(0, 1)
+    if _bars(ax, [standard_scores(d) for d in docs], labels, colors):
         ax.set_ylabel("score")
     else:
         _no_data(ax, "lm-eval")
@@ -141,6 +159,14 @@ def draw_report(paths: list[str], out: str) -> None:
     ax.set_xlabel("context (tokens); dashed: training length")
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("Extrapolation")
+
+    # reasoning
+    ax = axes[4]
+    if _bars(ax, [reasoning_scores(d) for d in docs], labels, colors):
+        ax.set_ylabel("accuracy")
+    else:
+        _no_data(ax, "reasoning")
+    ax.set_title("Reasoning (archscale reason)")
 
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:

@@ -1,0 +1,243 @@
+"""Continuous batching over our inference caches: rows at different positions decoded in one forward.
+
+`GPT.forward(idx, cache=...)` decodes a batch whose rows share one position. A server wants rows that joined at
+different times (different prompt lengths, different numbers of generated tokens) in one step. So:
+
+- each request is prefilled alone through `GPT.forward` with its own `InferenceCache` (exactly the model's path);
+- its per-layer state is then copied into one row ("slot") of `BatchState`, which keeps every layer's state for
+  all active rows stacked on dim 0: K/V buffers padded to the longest row (full attention, sliding windows and the
+  YOCO KV layer alike; zeros where a row has no key yet), and recurrent states (Mamba's conv + SSM state, or any
+  dataclass of batch-first tensors) stacked as they are;
+- `decode_step` runs one token per row with per-row RoPE positions and a per-row key mask; attention layers are
+  computed here from the layer's own weights (the model's decode path has no per-row positions), every other
+  layer runs its own `forward` on the stacked state;
+- a row leaves by moving the last row into its slot (one copy), so active rows stay contiguous (views, no gathers).
+
+`tests/test_serve.py` checks `decode_step` against `GPT.forward` with a cache for every architecture, alone and
+in a batch of rows at different positions: the same logits to 1e-5 and the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from archscale.models.attention import Attention, ForwardContext
+from archscale.models.attention_ops import _sdpa
+from archscale.models.cache import InferenceCache, KVCache, WindowKVCache
+from archscale.models.rope import apply_rope
+
+
+class _SlotKV:
+    """K/V of every active row, (S, G, cap, hd); row b's key j is position j (earlier ones zero when a window
+    dropped them: the window mask never lets a query see them)."""
+
+    def __init__(self, k: torch.Tensor, slots: int, window: int):
+        self.window = window
+        self.k = k.new_zeros(slots, k.shape[1], max(64, k.shape[2]), k.shape[3])
+        self.v = torch.zeros_like(self.k)
+
+    def ensure(self, length: int) -> None:
+        cap = self.k.shape[2]
+        if length > cap:  # grow by doubling (rare): keeps the buffers' time axis contiguous
+            grow = max(length, 2 * cap) - cap
+            pad = self.k.new_zeros(self.k.shape[0], self.k.shape[1], grow, self.k.shape[3])
+            self.k, self.v = torch.cat([self.k, pad], 2), torch.cat([self.v, pad.clone()], 2)
+
+    def insert(self, row: int, k: torch.Tensor, v: torch.Tensor, end: int) -> None:
+        """k, v (1, G, n, hd): the row's keys for positions end-n .. end-1."""
+        n = k.shape[2]
+        self.ensure(end)
+        self.k[row].zero_()
+        self.v[row].zero_()
+        self.k[row, :, end - n:end] = k[0]
+        self.v[row, :, end - n:end] = v[0]
+
+    def move(self, src: int, dst: int) -> None:
+        self.k[dst], self.v[dst] = self.k[src], self.v[src]
+
+
+class _SlotRecurrent:
+    """A recurrent state type (a dataclass of batch-first tensors, e.g. `MambaState`), stacked over rows."""
+
+    def __init__(self, state: Any, slots: int):
+        self.cls = type(state)
+        self.names = [f.name for f in dataclasses.fields(state)]
+        self.bufs = {n: getattr(state, n).new_zeros(slots, *getattr(state, n).shape[1:]) for n in self.names}
+
+    def insert(self, row: int, state: Any) -> None:
+        for n in self.names:
+            self.bufs[n][row] = getattr(state, n)[0]
+
+    def move(self, src: int, dst: int) -> None:
+        for n in self.names:
+            self.bufs[n][dst] = self.bufs[n][src]
+
+    def view(self, rows: int) -> Any:
+        return self.cls(**{n: self.bufs[n][:rows] for n in self.names})
+
+    def write_back(self, state: Any, rows: int) -> None:
+        """The layer may update a field in place (a view: nothing to do) or replace it (copy it back)."""
+        for n in self.names:
+            t = getattr(state, n)
+            if t.data_ptr() != self.bufs[n].data_ptr():
+                self.bufs[n][:rows] = t
+
+
+class _StackedCache:
+    """What a non-attention layer sees as `ctx.cache` during `decode_step`: its stacked state as one object."""
+
+    def __init__(self, batch: "BatchState"):
+        self.batch = batch
+        self.views: dict[int, Any] = {}
+
+    def layer(self, idx: int, make):
+        if idx not in self.views:
+            self.views[idx] = self.batch.recurrent[idx].view(self.batch.rows)
+        return self.views[idx]
+
+
+class BatchState:
+    """Decode state of up to `slots` sequences; row i holds `lengths[i]` positions (its cache.pos)."""
+
+    def __init__(self, model, slots: int):
+        self.model = model
+        self.slots = slots
+        self.rows = 0
+        self.lengths: list[int] = []
+        self.kv: dict[int, _SlotKV] = {}
+        self.recurrent: dict[int, _SlotRecurrent] = {}
+
+    def insert(self, cache: InferenceCache) -> int:
+        """Add a prefilled sequence (its own cache, batch 1); returns its row."""
+        if self.rows >= self.slots:
+            raise RuntimeError("no free slot")
+        row, end = self.rows, cache.pos
+        for idx, state in cache.layers.items():
+            if isinstance(state, (KVCache, WindowKVCache)):
+                k, v = (state.k[:, :, :state.length], state.v[:, :, :state.length]) if isinstance(state, KVCache) \
+                    else (state.k, state.v)
+                if idx not in self.kv:
+                    window = state.keep + 1 if isinstance(state, WindowKVCache) else 0
+                    self.kv[idx] = _SlotKV(k, self.slots, window)
+                self.kv[idx].insert(row, k, v, end)
+            elif dataclasses.is_dataclass(state):
+                if idx not in self.recurrent:
+                    self.recurrent[idx] = _SlotRecurrent(state, self.slots)
+                self.recurrent[idx].insert(row, state)
+            else:
+                raise NotImplementedError(f"layer {idx}: cannot batch a decode state of type {type(state).__name__}")
+        self.rows += 1
+        self.lengths.append(end)
+        return row
+
+    def remove(self, row: int) -> int | None:
+        """Free `row`; the last row moves into it. Returns the row that moved (None if `row` was last)."""
+        last = self.rows - 1
+        moved = None
+        if row != last:
+            for s in (*self.kv.values(), *self.recurrent.values()):
+                s.move(last, row)
+            self.lengths[row] = self.lengths[last]
+            moved = last
+        self.lengths.pop()
+        self.rows -= 1
+        return moved
+
+
+def _key_mask(lengths: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
+    """(B, 1, 1, n_keys) bool: row b's query sits at position lengths[b] and sees keys 0..lengths[b] (the last
+    W of them with a window)."""
+    j = torch.arange(n_keys, device=lengths.device)[None, :]
+    mask = j <= lengths[:, None]
+    if window:
+        mask &= j > lengths[:, None] - window
+    return mask[:, None, None, :]
+
+
+def _attention_step(m: Attention, x: torch.Tensor, ctx: ForwardContext, batch: BatchState,
+                    pos: torch.Tensor, shared: dict) -> torch.Tensor:
+    """One token per row through attention layer `m` (mirrors `Attention.forward` with per-row positions)."""
+    B = x.shape[0]
+    H, G, hd = m.n_head, m.n_query_groups, m.head_size
+    if m.kind == "cross":
+        q = m.q_proj(x)
+        if hasattr(m, "q_bias"):
+            q = q + m.q_bias.to(q.dtype)
+        q = q.view(B, 1, H, hd)
+        if m.use_rope:
+            q = apply_rope(q, ctx.cos, ctx.sin)
+        q = q.transpose(1, 2)
+        k, v, mask = shared["kv"]
+    else:
+        qkv = m.attn(x)
+        if hasattr(m, "q_bias"):
+            qkv = qkv + torch.cat([m.q_bias, torch.zeros_like(m.q_bias[:G * hd]), m.v_bias]).to(qkv.dtype)
+        qk, v = qkv.split(((H + G) * hd, G * hd), dim=-1)
+        qk = qk.view(B, 1, H + G, hd)
+        if m.use_rope:
+            qk = apply_rope(qk, ctx.cos, ctx.sin)
+        q, k = qk.split((H, G), dim=2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, 1, G, hd).transpose(1, 2)
+        slot = batch.kv[m.layer_idx]
+        n_keys = shared["n_keys"]
+        slot.ensure(n_keys)
+        rows = torch.arange(B, device=x.device)
+        slot.k[rows, :, pos] = k[:, :, 0]
+        slot.v[rows, :, pos] = v[:, :, 0]
+        k, v = slot.k[:B, :, :n_keys], slot.v[:B, :, :n_keys]
+        mask = _key_mask(pos, n_keys, slot.window)
+        if m.kind == "kv":
+            shared["kv"] = (k, v, _key_mask(pos, n_keys, 0))
+
+    def core(q_, k_, v_):
+        return _sdpa(q_, k_, v_, m.scale, mask=mask)
+
+    y = m.diff(q, k, v, core) if m.diff is not None else core(q, k, v)
+    return m.proj(y.transpose(1, 2).reshape(B, 1, H * hd))
+
+
+@torch.no_grad()
+def decode_step(batch: BatchState, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens (rows,): each row's next input token, at position lengths[row]. Returns logits (rows, vocab) and
+    advances every row by one position (mirrors `GPT.forward` for T = 1)."""
+    model, B = batch.model, batch.rows
+    cfg = model.config
+    pos = torch.tensor(batch.lengths, device=tokens.device)
+    n_keys = max(batch.lengths) + 1  # from the host-side lengths: no device sync per layer
+    cos = sin = None
+    if not cfg.nope:
+        cos, sin = model.rope(n_keys, tokens.device)
+        cos, sin = cos[pos][:, None, None, :], sin[pos][:, None, None, :]  # (B, 1, 1, hd/2)
+    cache = _StackedCache(batch)
+    ctx = ForwardContext(pos=0, cos=cos, sin=sin, cache=cache)
+    shared: dict = {"n_keys": n_keys}
+    x = model.wte(tokens[:, None]).float()
+    for block in model.blocks:
+        if isinstance(block.mixer, Attention):
+            s = block.residual_scale
+            h = _attention_step(block.mixer, block.norm_1(x), ctx, batch, pos, shared)
+            x = x + (h if s == 1.0 else s * h)
+            h = block.mlp(block.norm_2(x))
+            x = x + (h if s == 1.0 else s * h)
+        else:
+            x = block(x, ctx)
+    for idx, state in cache.views.items():
+        batch.recurrent[idx].write_back(state, B)
+    batch.lengths = [n + 1 for n in batch.lengths]
+    x = model.ln_f(x)
+    if cfg.logit_scale != 1.0:
+        x = x * cfg.logit_scale
+    logits = model.lm_head(x)[:, 0]
+    return logits[:, :cfg.vocab_size] if cfg.padded_vocab_size != cfg.vocab_size else logits
+
+
+@torch.no_grad()
+def prefill(model, ids: list[int], capacity: int, all_logits: bool = False) -> tuple[torch.Tensor, InferenceCache]:
+    """The prompt alone through the model's own cached path: (logits (T or 1, vocab), its cache)."""
+    device = next(model.parameters()).device
+    cache = InferenceCache(capacity=capacity)
+    logits = model(torch.tensor([ids], device=device), cache=cache, last_only=not all_logits)
+    return logits[0], cache
