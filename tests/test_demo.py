@@ -1,5 +1,6 @@
 """`archscale demo`'s comparison: two architectures under one recipe, one plot, one table, reuse on a re-run."""
 
+import dataclasses
 import json
 
 from archscale.config import ModelConfig
@@ -61,7 +62,7 @@ def test_compare_retrains_a_run_whose_settings_changed_or_that_did_not_finish(da
     work = tmp_path / "demo"
     compare(dataset, work, TINY, models=TINY_MODELS[:1], progress=False)
     capsys.readouterr()
-    longer = DemoSettings(**{**TINY.__dict__, "steps": 9})
+    longer = dataclasses.replace(TINY, steps=9)
     (summary,), _ = compare(dataset, work, longer, models=TINY_MODELS[:1], progress=False)
     out = capsys.readouterr().out
     assert "removing" in out and "reusing" not in out
