@@ -1,4 +1,4 @@
-# archscale: `make demo` trains a small model end to end; `make test` runs the test suite.
+# archscale: `make demo` trains and compares two small models end to end; `make test` runs the test suite.
 # Both create/reuse .venv and install what is missing (a second run skips work already done).
 
 PYTHON ?= python3
@@ -6,33 +6,43 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Without an NVIDIA GPU, pin the CPU torch build; with one, keep whatever CUDA torch pip picks / you installed.
 CONSTRAINTS := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "-c constraints-cpu.txt")
-STAMP := $(VENV)/.installed
+# Two install stamps: the package alone (all `make demo` needs) and the package with the test extras
+# (pytest, transformers, lm-eval, deepspeed, ...: about 2 GB more), so the demo does not pay for the tests.
+CORE_STAMP := $(VENV)/.installed-core
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install demo test test-fast test-gpu bench clean
+.PHONY: install install-test demo test test-fast test-gpu bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): pyproject.toml constraints-cpu.txt | $(PY)
+$(CORE_STAMP): pyproject.toml constraints-cpu.txt | $(PY)
+	$(PY) -m pip install -q $(CONSTRAINTS) -e .
+	@touch $(CORE_STAMP)
+
+# The test install contains the core one, so it refreshes both stamps.
+$(TEST_STAMP): pyproject.toml constraints-cpu.txt | $(PY)
 	$(PY) -m pip install -q $(CONSTRAINTS) -e ".[test]"
-	@touch $(STAMP)
+	@touch $(TEST_STAMP) $(CORE_STAMP)
 
-install: $(STAMP)
+install: $(CORE_STAMP)
 
-demo: $(STAMP)
+install-test: $(TEST_STAMP)
+
+demo: $(CORE_STAMP)
 	$(VENV)/bin/archscale demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-test-gpu: $(STAMP)
+test-gpu: $(TEST_STAMP)
 	$(PY) -m pytest -q -m cuda
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(PY) benchmarks/train_throughput.py
 
 clean:

@@ -11,7 +11,7 @@
     archscale quantize ...         int8 / NF4 weights (torchao) into a folder eval and generate read
     archscale serve / bench-serve ...     OpenAI-compatible server with continuous batching / its load-test client
     archscale reason ...           GSM8K / MATH / AIME answers through a server or a checkpoint: pass@1, pass@k
-    archscale demo                 the whole pipeline on a small public-domain corpus, in minutes on a CPU
+    archscale demo                 Transformer++ vs SambaY on a small public-domain corpus, minutes on a CPU
 
 Bad input raises `UserError`, printed on one line with exit code 2 (no traceback).
 """
@@ -174,13 +174,14 @@ def cmd_quantize(argv: list[str]) -> int:
     return 0
 
 
-@command("demo", "fetch a public-domain corpus, train a tokenizer and a small model on CPU, evaluate, plot")
+@command("demo", "fetch a public-domain corpus, train a Transformer++ and a SambaY of equal size on CPU, compare")
 def cmd_demo(argv: list[str]) -> int:
-    from archscale.demo import run_demo
+    from archscale.demo import DEFAULT_MINUTES, run_demo
 
     p = argparse.ArgumentParser(prog="archscale demo")
-    p.add_argument("--work_dir", default="runs/demo", help="where data, tokenizer and the run go")
-    p.add_argument("--minutes", type=float, default=3.0, help="approximate training time budget")
+    p.add_argument("--work_dir", default="runs/demo", help="where data, tokenizer, the runs and the plot go")
+    p.add_argument("--minutes", type=float, default=DEFAULT_MINUTES,
+                   help="approximate training time of both models together (sets the shared token budget)")
     p.add_argument("--cache_dir", default=None, help="corpus download cache (default ~/.cache/archscale)")
     a = p.parse_args(argv)
     run_demo(a.work_dir, minutes=a.minutes, cache_dir=a.cache_dir)
