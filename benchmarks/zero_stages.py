@@ -1,4 +1,4 @@
-"""The seed's ZeRO comparison on CPU: DDP, FSDP2 and DeepSpeed ZeRO 0/1/2/3 (+ optimizer offload), 2 processes.
+"""ArchScale's ZeRO comparison on CPU: DDP, FSDP2 and DeepSpeed ZeRO 0/1/2/3 (+ optimizer offload), 2 processes.
 
 For each strategy this launches `torchrun --nproc_per_node=2` on this same file in worker mode. A worker builds
 the model, wraps it with archscale's own code (parallelize.py / deepspeed_engine.py, the trainer's path), runs

@@ -311,3 +311,14 @@ def test_dry_run_hp_sweep_names(capsys, lr, bs):
     assert plan["parametrization"] == "sp" and plan["batch_tokens"] == bs
     assert plan["lr_matrix"] == plan["lr_vector"] == pytest.approx(float(lr))  # b = b0 exactly
     assert plan["optimizer_steps"] == int(1e10) // bs
+
+
+def test_dry_run_prints_the_parameter_law_and_its_deviation(tmp_path, capsys):
+    argv = ["pretrain", "--train_model", "sambay", "--depth", "16", "--train_data_dir", str(tmp_path),
+            "--dry_run", "--varlen", "true", "--ctx_len", "4096"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["n_params_law"] == (14.5 * 124**2 + 144 * 124) * 16**3
+    assert plan["n_params_law_deviation"] == pytest.approx(plan["n_params_law"] / plan["n_params_non_embedding"] - 1)
+    assert abs(plan["n_params_law_deviation"]) < 0.03
+    assert any("ctx 8192" in n for n in plan["notes"])  # ArchScale's silent varlen switch, stated

@@ -2,7 +2,7 @@
 
     archscale prepare ...          tokenize text/jsonl/parquet into LITPKDS shards
     archscale tokenizer train ...  train a byte-level BPE tokenizer
-    archscale pretrain ...         train a model (seed-compatible flags; --help lists them all)
+    archscale pretrain ...         train a model (ArchScale-compatible flags; --help lists them all)
     archscale generate ...         sample text from a checkpoint (cached decoding)
     archscale export ...           a Hugging Face folder (--format hf) or one safetensors file
     archscale eval / report ...    evaluate a checkpoint (ppl, Phonebook, RULER NIAH, lm-eval) / plot the results
@@ -37,7 +37,7 @@ def command(name: str, help: str):
     return register
 
 
-@command("pretrain", "train a model (seed-compatible flags)")
+@command("pretrain", "train a model (ArchScale-compatible flags)")
 def cmd_pretrain(argv: list[str]) -> int:
     from archscale.train.trainer import pretrain
 

@@ -160,7 +160,7 @@ class ModelConfig:
     rope_scaling: float = 1.0  # linear position interpolation factor (positions are divided by it)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    bias: bool = False  # biases in every Linear of attention and MLP (seed's `_bias`)
+    bias: bool = False  # biases in every Linear of attention and MLP (ArchScale's `_bias`)
     attn_bias: bool = False  # q, v and output-projection biases only (Phi4-mini-Flash)
     norm_class: str = "rmsnorm"  # "rmsnorm" | "layernorm"
     # Mixer options (defaults filled from the architecture's ArchSpec; see `layer_kinds`).
@@ -174,7 +174,7 @@ class ModelConfig:
     residual_scale: float = 1.0  # each block's branch output is multiplied by this (mu-P++: 1/sqrt(2L))
     logit_scale: float = 1.0  # final hidden state is multiplied by this before lm_head (mu-P: d0/L)
     attn_scale_mult: float = 1.0  # softmax scale = attn_scale_mult / sqrt(head_size)
-    # Init (SP defaults from the seed: N(0, 0.02) linears, GPT-2 1/sqrt(2L) on output projections).
+    # Init (SP defaults from ArchScale: N(0, 0.02) linears, GPT-2 1/sqrt(2L) on output projections).
     init_std: float = 0.02
     embed_init_std: float = 1e-4
     init_scheme: str = "sp"  # "sp" | "mup" (kaiming-uniform linears, zero lm_head); set by the scaling rules
@@ -227,7 +227,7 @@ class ModelConfig:
 
     @classmethod
     def from_arch(cls, arch: str, depth: int, ar: int | None = None, **overrides: Any) -> "ModelConfig":
-        """Sizes from depth (spec §3). `ar` overrides the architecture's aspect ratio: width = ar * depth with
+        """Sizes from depth (ArchScale's `pretrain.py`). `ar` overrides the architecture's aspect ratio: width = ar * depth with
         n_head = depth heads, so head_size = ar (128 at the registry's ar for the Transformer)."""
         if arch not in ARCHITECTURES:
             raise UserError(f"unknown --train_model {arch!r}; choose one of: {', '.join(sorted(ARCHITECTURES))}")

@@ -38,8 +38,9 @@ class BaseHyperparameters:
 def default_tokens(hps: BaseHyperparameters, arch: str, depth: int, ar: int | None = None) -> float:
     """Chinchilla-style budget at constant tokens per parameter: T(d) = t0 * N(d) / N(d0).
 
-    As in the seed (era 1), N(d) uses the architecture's own law (at the run's aspect ratio) and N(d0) the
-    Transformer's (n0_mult), whatever the aspect ratio.
+    As ArchScale's `pretrain.py` (commit 1fbcceb) does, N(d) uses the architecture's own law (at the run's aspect
+    ratio) and N(d0) the Transformer's (n0_mult), whatever the aspect ratio. The laws are large-depth asymptotes of
+    the true counts; the dry run prints their deviation (`n_params_law_deviation`).
     """
     return hps.t0 * n_mult(arch, ar) * depth**3 / (hps.n0_mult * hps.d0**3)
 
@@ -98,7 +99,7 @@ class Rules:
 
 def resolve_parametrization(parametrization: str, hps: BaseHyperparameters, depth: int, n_layer: int,
                             head_size: int, tie: bool = False) -> Rules:
-    """The three parametrizations of spec §4.2, written once.
+    """The three parametrizations of ArchScale's `setup()` (its `pretrain.py`), written once.
 
     Width is tied to depth (n_embd = ar * depth), so the mu-P width ratio base/width is d0/depth.
 

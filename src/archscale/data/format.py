@@ -36,7 +36,7 @@ CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
 def auto_dtype(vocab_size: int) -> np.dtype:
-    """The seed's "auto" rule: uint16 below 65,500 tokens, else int32."""
+    """ArchScale's "auto" rule: uint16 below 65,500 tokens, else int32."""
     return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
 
 

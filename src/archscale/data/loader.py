@@ -52,7 +52,7 @@ from archscale.errors import UserError
 
 STATE_VERSION = 1
 
-# Domain tags so that the seed sequences of different uses never coincide.
+# Domain tags so that ArchScale sequences of different uses never coincide.
 _TAG_FILE_ORDER = 0
 _TAG_BUFFER = 1
 _TAG_MIXTURE = 2

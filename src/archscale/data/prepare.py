@@ -9,7 +9,7 @@ Every file gets a *key*: its path relative to the common parent of all inputs (s
 books/train.jsonl` gives the keys "wiki/train.jsonl" and "books/train.jsonl"). Keys do not depend on where the
 data lives, so moving the corpus does not change the output.
 
-Documents. `tokenizer.encode(text)`: EOS appended, no BOS (the seed's convention). With `max_length` (ProLong-style
+Documents. `tokenizer.encode(text)`: EOS appended, no BOS (ArchScale's convention). With `max_length` (ProLong-style
 long-context preparation) a document of up to `max_length` tokens including its EOS is kept whole and a longer one
 is split into pieces of `max_length` tokens, each closed by its own EOS (so variable-length training sees each
 piece as a document). Blank documents (only whitespace) are skipped and counted.

@@ -1,6 +1,6 @@
 """Tokenizers: a Hugging Face `tokenizer.json` or a SentencePiece `.model`, behind one small interface.
 
-Conventions (the seed's): `encode(text)` appends EOS and adds no BOS. Special-token strings that occur *inside*
+Conventions (ArchScale's): `encode(text)` appends EOS and adds no BOS. Special-token strings that occur *inside*
 the text (for instance a literal "<|endoftext|>" in a web page) are encoded as ordinary text, never as the special
 id, so a document cannot fake a document boundary (SentencePiece behaves this way already; for `tokenizer.json`
 we set `encode_special_tokens`). `decode` keeps special tokens of Hugging Face tokenizers visible.

@@ -4,7 +4,7 @@
     lm = ArchScaleLM(eval_model, batch_size=8, max_length=4096)      # or: lm_eval model "archscale",
     lm_eval.simple_evaluate(model=lm, tasks=[...])                     #     model_args "pretrained=RUN_DIR"
 
-`archscale lm_eval ARGS...` runs lm-eval's own command line with this model registered. Model args (the seed's
+`archscale lm_eval ARGS...` runs lm-eval's own command line with this model registered. Model args (ArchScale's
 form): pretrained=PATH (run dir, checkpoint, exported HF folder, quantized folder; `checkpoint=` is a synonym),
 config=NAME (optional, e.g. sambay_d16: checked against the checkpoint), max_length=N, batch_size=N (or lm-eval's
 --batch_size), device=cpu|cuda[:i] (or --device; default: cuda if there is one, else cpu), tokenizer=PATH,
@@ -46,7 +46,7 @@ PRECISIONS = {"fp32": "fp32", "float32": "fp32", "auto": "fp32", "bf16": "bf16",
 
 
 def _check_config_name(name: str, cfg) -> None:
-    """The seed's `config=sambay_d16` names the architecture and depth; it must be what the checkpoint holds."""
+    """ArchScale's `config=sambay_d16` names the architecture and depth; it must be what the checkpoint holds."""
     from archscale.errors import UserError
 
     m = re.fullmatch(r"([a-z0-9]+)_d(\d+)", str(name))

@@ -1,4 +1,4 @@
-"""An offline full-name generator for the Phonebook task (the seed uses the `names` package; these lists need
+"""An offline full-name generator for the Phonebook task (ArchScale uses the `names` package; these lists need
 no download). Common English-language first and last names; `full_name(rng)` draws "First Last" uniformly."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Phonebook retrieval (spec §7, after "Repeat After Me", arXiv 2402.01032).
+"""Phonebook retrieval (ArchScale's evaluation scripts, after "Repeat After Me", arXiv 2402.01032).
 
 A sample with `n` entries:
 

@@ -1,6 +1,6 @@
 """Perplexity: validation loss at 1x..kx the training length, and sliding-window perplexity over a text file.
 
-Extrapolation (as the seed validates): each validation sample holds `k_max * T + 1` tokens (T = training length);
+Extrapolation (as ArchScale validates): each validation sample holds `k_max * T + 1` tokens (T = training length);
 one forward pass over the first `k_max * T` tokens gives the loss on every prefix `k * T`, so `loss@kx` is the
 mean next-token loss over positions `0 .. k*T-1` of the same samples (a causal model's prefix logits do not
 depend on later tokens).

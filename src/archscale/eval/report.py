@@ -1,4 +1,4 @@
-"""`archscale report`: one PNG summarising eval results, grouped as the seed reports them:
+"""`archscale report`: one PNG summarising eval results, grouped as ArchScale reports them:
 standard (lm-eval scores), long context (Phonebook accuracy vs entries, RULER NIAH score vs tokens),
 extrapolation (validation loss vs context length) and reasoning (`archscale reason` pass@1 and pass@K). Each
 results file is one series (its run name)."""

@@ -1,7 +1,7 @@
 """`archscale eval`: run the requested tasks on one checkpoint and write one JSON file.
 
 Context limits: `limit` (the longest sequence any task may feed the model) is `--max_length` when given, else
-4x the training length (the seed's extrapolation range), and never more than a hard limit the model declares
+4x the training length (ArchScale's extrapolation range), and never more than a hard limit the model declares
 (`model.max_context_length` or `config.max_seq_length`, if present). A task that needs more stops with a
 one-line error before any work. lm-eval tasks read at most `--max_length` tokens (default: the training length),
 keeping the last ones, as lm-eval's own models do.

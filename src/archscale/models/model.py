@@ -53,7 +53,7 @@ class GPT(nn.Module):
         cross-decoder then sees only the last position when `last_only` (its layers keep no state of their own,
         so the prompt's other positions are never needed: YOCO's linear-time prefill).
         Variable-length training: `doc_ids` (B, T) keeps every mixer inside its document (attention masks, Mamba
-        state resets); `position_ids` (B, T), each < T, gives RoPE positions (default: 0..T-1, the seed's behaviour;
+        state resets); `position_ids` (B, T), each < T, gives RoPE positions (default: 0..T-1, ArchScale's behaviour;
         `models/varlen.document_positions` gives per-document positions).
         """
         B, T = idx.shape

@@ -4,7 +4,7 @@ Reads every run dir under STUDY_DIR (a folder with `metrics.csv`; `config.yaml` 
 overrides and status), and writes `STUDY_DIR/analysis/runs.csv`, `runs.md` and a PNG:
 - params N (non-embedding), tokens T actually trained, FLOPs = 6NT, and `flops_model` = the model's analytic
   FLOPs per token (attention included) x T;
-- the final and the best (minimum) `val_loss` of each run (the seed's sweep analysis takes the minimum);
+- the final and the best (minimum) `val_loss` of each run (ArchScale's sweep analysis takes the minimum);
 - when the runs differ in LR (`base_hps.eta0`), the best configuration and, per batch size with at least three
   LRs, a quadratic fit of best val_loss against log2(LR) and the LR at its minimum.
 """

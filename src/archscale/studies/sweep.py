@@ -1,7 +1,7 @@
 """`archscale sweep STUDY.yaml`: many pretraining runs from one file.
 
 A study file holds flags shared by every run (`base`), a cartesian `grid` of overrides and/or an explicit list of
-runs (`runs`, or the seed's `experiments:` mapping of name -> flags with `base_command`). Each run becomes
+runs (`runs`, or ArchScale's `experiments:` mapping of name -> flags with `base_command`). Each run becomes
 `python -m archscale.pretrain --flag=value ... --out_dir STUDY_DIR/NAME`, launched as a subprocess with its own
 thread count and timeout; its status goes to `STUDY_DIR/study.json`. Re-running the same file skips runs that
 finished and continues the others from their last checkpoint (`--resume auto`).
@@ -185,7 +185,7 @@ def load_study(path: str | Path, out_dir: Optional[str] = None, set_flags: Optio
             raise UserError(f"{path}: grid.{k} must be a non-empty list of values, got {v!r}")
     entries: list[tuple[Optional[str], dict]] = []
     exps = raw.get("runs", raw.get("experiments"))
-    if isinstance(exps, dict):  # the seed's experiments.yaml: {name: {flags..., timeout, description}}
+    if isinstance(exps, dict):  # ArchScale's experiments.yaml: {name: {flags..., timeout, description}}
         entries = [(str(k), dict(v or {})) for k, v in exps.items()]
     elif isinstance(exps, list):
         for i, e in enumerate(exps):

@@ -1,4 +1,4 @@
-"""`archscale pretrain` configuration: one dataclass (the CLI is derived from it) and the seed's
+"""`archscale pretrain` configuration: one dataclass (the CLI is derived from it) and ArchScale's
 `--train_name` tokens, translated into explicit fields.
 """
 
@@ -16,7 +16,7 @@ from archscale.train.schedule import SCHEDULES
 
 @dataclass
 class PretrainConfig:
-    """Everything a pretraining run needs. Flags mirror the seed's `pretrain.py` plus explicit ones."""
+    """Everything a pretraining run needs. Flags mirror ArchScale's `pretrain.py` plus explicit ones."""
 
     train_data_dir: str = "data/train"  # folder of train*.bin shards (from `archscale prepare`)
     val_data_dir: Optional[str] = None  # folder of validation*.bin shards (default: train_data_dir)
@@ -59,7 +59,7 @@ class PretrainConfig:
     save_interval: int = 1000  # optimizer steps between checkpoints (plus one at the end)
     keep_last: int = 3  # checkpoints to keep (0 = all)
     num_workers: int = 1  # logical loader streams per rank
-    fsdp_save_mem: bool = False  # seed's long-context flag: --act_ckpt + FSDP2 CPU offload, no compile
+    fsdp_save_mem: bool = False  # ArchScale's long-context flag: --act_ckpt + FSDP2 CPU offload, no compile
     max_steps: Optional[int] = None  # stop after this many optimizer steps (debugging); the schedule is unchanged
     progress: bool = True  # console progress bar
     logger: str = "csv"  # csv,tensorboard,wandb (comma-separated); W&B is offline without WANDB_API_KEY

@@ -218,7 +218,7 @@ class Loggers:
 
 
 def seed_wandb_config(cfg: Any) -> tuple[dict, list[str]]:
-    """The seed's W&B config fields and tags from a PretrainConfig-like object (plus every field of it)."""
+    """ArchScale's W&B config fields and tags from a PretrainConfig-like object (plus every field of it)."""
     hps = getattr(cfg, "base_hps", None)
     train_name = str(getattr(cfg, "train_name", ""))
     param = str(getattr(cfg, "parametrization", "sp"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 SCHEDULES = ("linear", "cosine", "wsd")
-WSD_STABLE_FRACTION = 5 / 7  # of the post-warmup steps, as in the seed
+WSD_STABLE_FRACTION = 5 / 7  # of the post-warmup steps, as in ArchScale
 
 
 def lr_at(step: int, peak: float, min_lr: float, warmup_steps: int, max_steps: int, schedule: str = "linear") -> float:

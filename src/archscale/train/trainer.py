@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from archscale.config import ModelConfig, arch_preset
+from archscale.config import ModelConfig, arch_preset, n_mult
 from archscale.data.loader import GlobalOrderLoader, load_mixture, read_manifest, validation_batches
 from archscale.errors import NonFiniteError, UserError
 from archscale.models.model import GPT
@@ -137,6 +137,7 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
     plan, m = make_plan(cfg, set(explicit), world_size=world_size, warn=warn, default_vocab=DRY_RUN_DEFAULT_VOCAB)
     with torch.device("meta"):
         meta = GPT(m)
+    law = n_mult(cfg.train_model, cfg.ar) * cfg.depth**3  # the token budget's N(d); see the deviation below
     return {
         "run_name": plan.run_name, "out_dir": plan.out_dir, "model": m.name, "parametrization": plan.parametrization,
         "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head, "n_kv_head": m.n_query_groups,
@@ -153,7 +154,18 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
         "attn_scale": m.attn_scale_mult / math.sqrt(m.head_size), "init_scheme": m.init_scheme,
         "init_std": meta.init_stds(), "flops_per_token": plan.flops_per_token,
         "train_name_settings": plan.train_name_settings,
+        "n_params_law": law, "n_params_law_deviation": law / plan.non_embedding_params - 1.0,
+        "notes": dry_run_notes(cfg),
     }
+
+
+def dry_run_notes(cfg: PretrainConfig) -> list[str]:
+    """Where this run deliberately differs from what ArchScale's own script would do with the same flags."""
+    notes = []
+    if cfg.varlen and cfg.ctx_len == 4096:
+        notes.append("ArchScale's `_varlen` silently trains ctx 4096 runs at ctx 8192 with micro-batch 1; archscale "
+                     "keeps --ctx_len and --micro_bsz as given (pass --ctx_len 8192 --micro_bsz 1 to match it)")
+    return notes
 
 
 def print_dry_run(cfg: PretrainConfig, explicit: set[str] = frozenset()) -> None:
@@ -474,7 +486,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = GPT(self.model_cfg).to(env.device)
         if cfg.compile and cfg.fsdp_save_mem:
-            self.log("note: --fsdp_save_mem turns --compile off (as the seed does)")
+            self.log("note: --fsdp_save_mem turns --compile off (as ArchScale does)")
         # FSDP2's CPUOffloadPolicy needs an accelerator to offload from; on a CPU machine the shards already live
         # in host memory, so --fsdp_save_mem is activation checkpointing only there.
         cpu_offload = cfg.fsdp_save_mem and env.strategy == "fsdp" and env.device.type == "cuda"

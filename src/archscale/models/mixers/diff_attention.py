@@ -1,4 +1,4 @@
-"""Differential attention (Diff Transformer, as in SambaY-DA and Phi4-mini-Flash; spec §2.1).
+"""Differential attention (Diff Transformer, as in SambaY-DA and Phi4-mini-Flash; ArchScale's model code (`lit_gpt/`)).
 
 Heads are paired, "(H two) D -> H/2 pairs": pair p holds heads 2p and 2p+1. Each pair computes two softmax maps
 A1 = softmax(q1 k1^T) and A2 = softmax(q2 k2^T) over the pair's keys, both applied to the pair's values [v1 | v2]
