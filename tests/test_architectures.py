@@ -23,6 +23,8 @@ def tiny(arch, depth=8, window=5, **kw):
         base["sliding_window"] = window
     if arch == "phi4miniflash":  # keep its 2:1 GQA and LayerNorm/bias/tied preset, shrink the heads
         base.update(n_head=8, n_query_groups=4, head_size=8)
+    if "gdn" in "".join(ARCHITECTURES[arch].layout(depth)):  # ArchScale's 256-wide GDN heads make width 64 slow
+        base["mixer_options"] = {"gdn": {"head_dim": 16, "num_heads": 2}}
     base.update(kw)
     return ModelConfig.from_arch(arch, depth, ar=8, **base)
 

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from archscale.models.attention import Attention, ForwardContext
+from archscale.models.mixers import ForwardContext
+from archscale.models.mixers.attention import Attention
 from archscale.models.attention_ops import _sdpa
 from archscale.models.cache import InferenceCache, KVCache, WindowKVCache
 from archscale.models.rope import apply_rope
@@ -163,18 +164,13 @@ def _attention_step(m: Attention, x: torch.Tensor, ctx: ForwardContext, batch: B
     B = x.shape[0]
     H, G, hd = m.n_head, m.n_query_groups, m.head_size
     if m.kind == "cross":
-        q = m.q_proj(x)
-        if hasattr(m, "q_bias"):
-            q = q + m.q_bias.to(q.dtype)
-        q = q.view(B, 1, H, hd)
+        q = m.q_proj(x).view(B, 1, H, hd)
         if m.use_rope:
             q = apply_rope(q, ctx.cos, ctx.sin)
         q = q.transpose(1, 2)
         k, v, mask = shared["kv"]
     else:
         qkv = m.attn(x)
-        if hasattr(m, "q_bias"):
-            qkv = qkv + torch.cat([m.q_bias, torch.zeros_like(m.q_bias[:G * hd]), m.v_bias]).to(qkv.dtype)
         qk, v = qkv.split(((H + G) * hd, G * hd), dim=-1)
         qk = qk.view(B, 1, H + G, hd)
         if m.use_rope:
@@ -189,14 +185,17 @@ def _attention_step(m: Attention, x: torch.Tensor, ctx: ForwardContext, batch: B
         slot.v[rows, :, pos] = v[:, :, 0]
         k, v = slot.k[:B, :, :n_keys], slot.v[:B, :, :n_keys]
         mask = _key_mask(pos, n_keys, slot.window)
-        if m.kind == "kv":
+        if m.kind in ("kv", "kv_mem"):
             shared["kv"] = (k, v, _key_mask(pos, n_keys, 0))
 
     def core(q_, k_, v_):
         return _sdpa(q_, k_, v_, m.scale, mask=mask)
 
     y = m.diff(q, k, v, core) if m.diff is not None else core(q, k, v)
-    return m.proj(y.transpose(1, 2).reshape(B, 1, H * hd))
+    y = y.transpose(1, 2).reshape(B, 1, H * hd)
+    if m.kind == "kv_mem":  # SambaY-A: the GMUs gate this layer's output before its projection
+        ctx.memory = y
+    return m.proj(y)
 
 
 @torch.no_grad()
@@ -220,7 +219,7 @@ def decode_step(batch: BatchState, tokens: torch.Tensor) -> torch.Tensor:
             s = block.residual_scale
             h = _attention_step(block.mixer, block.norm_1(x), ctx, batch, pos, shared)
             x = x + (h if s == 1.0 else s * h)
-            h = block.mlp(block.norm_2(x))
+            h = block.mlp(block.norm_2(x), ctx)
             x = x + (h if s == 1.0 else s * h)
         else:
             x = block(x, ctx)
