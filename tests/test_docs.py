@@ -21,3 +21,14 @@ def test_no_text_cites_internal_documents():
             if FORBIDDEN.search(line):
                 hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
     assert not hits, "\n".join(hits[:40])
+
+
+def test_relative_links_in_the_docs_resolve():
+    bad = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (path.parent / target).exists():
+                bad.append(f"{path.relative_to(ROOT)} -> {target}")
+    assert not bad, bad
