@@ -56,9 +56,16 @@ STEPS, COORD_LR = 4, 1e-2
 SMALL = {"mamba2": {"expand": 2, "headdim": 16, "d_state": 16, "chunk_size": 32}}
 
 
+def small_options(width: int) -> dict:
+    """Mixer options whose inner widths grow with the model: Mamba-2 as SMALL, Gated DeltaNet with heads of 16
+    (ArchScale's rule gives one 256-wide head at every width up to 341)."""
+    return {**SMALL, "gdn": {"head_dim": 16, "num_heads": max(1, width // 32)}}
+
+
 def coordinates(parametrization: str, arch: str, depth: int, d0: int, ar: int = 16) -> list[dict]:
     """mean |x| of every block output and of the logits, before and after each of STEPS AdamW steps."""
-    cfg = ModelConfig.from_arch(arch, depth, ar=ar, vocab_size=256, block_size=64, mixer_options=SMALL)
+    opts = {k: v for k, v in small_options(ar * depth).items() if k in ("mamba2", "gdn")}
+    cfg = ModelConfig.from_arch(arch, depth, ar=ar, vocab_size=256, block_size=64, mixer_options=opts)
     rules = resolve_parametrization(parametrization, BaseHyperparameters(d0=d0, hd0=ar), depth, cfg.n_layer,
                                     cfg.head_size)
     cfg = cfg.replace(**rules.model_overrides())
@@ -82,7 +89,7 @@ def coordinates(parametrization: str, arch: str, depth: int, d0: int, ar: int = 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sambay2", "mambay2"])
+@pytest.mark.parametrize("arch", ["sambay2", "mambay2", "gdny", "sgdny"])
 def test_coordinate_check_mup_plus_plus_is_flat_and_sp_is_not(arch):
     """Residual stream at relative depth 1/2 and 1 after t = 2..4 steps: the spread over widths 64, 128, 256
     stays small under mu-P++ and grows under SP (the negative control). Measured (seed 0, sambay2): spread mu-P++

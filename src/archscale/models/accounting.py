@@ -29,7 +29,7 @@ def clean_name(name: str) -> str:
 
 
 def owner(config: ModelConfig, name: str) -> tuple[MixerSpec | None, str]:
-    """(the spec owning parameter `name`, its name relative to ArchScale's module); (None, name) outside blocks."""
+    """(the spec owning parameter `name`, its name relative to the MixerSpec's module); (None, name) outside blocks."""
     m = _BLOCK.fullmatch(clean_name(name))
     if m is None or m[2] in ("norm_1", "norm_2"):
         return None, clean_name(name)

@@ -127,7 +127,7 @@ def spec_for(kind: str, slot: str = "mixer") -> MixerSpec:
 
 
 def options_of(config: ModelConfig, spec: MixerSpec) -> Any:
-    """ArchScale's options dataclass with `config.mixer_options[spec.name]` applied (unknown keys: one line)."""
+    """The MixerSpec's options dataclass with `config.mixer_options[spec.name]` applied (unknown keys: one line)."""
     given = dict((config.mixer_options or {}).get(spec.name, {}))
     if spec.options is None:
         if given:
