@@ -94,7 +94,8 @@ def measure(run: Path, work: Path, batches, prompt, a) -> list[dict]:
     from archscale.export.consolidate import consolidate
     from archscale.export.hf_folder import export_hf
     from archscale.export.load import load_exported
-    from archscale.quantize import METHODS, quantize_checkpoint
+    from archscale.quantize import METHODS
+    from archscale.quantize_cli import quantize_checkpoint
 
     fp32_file = consolidate(run, work / f"{run.name}-fp32.safetensors")
     bf16_dir = export_hf(run, work / f"{run.name}-bf16", dtype="bf16")

@@ -118,7 +118,7 @@ def test_cli_quantize_then_generate_and_eval(tiny_runs, tmp_path, capsys):
         ref = json.loads(base.read_text())["results"]["ppl"]["validation"]["1x"]["loss"]
         assert loss != ref and abs(loss - ref) < 0.1
     with pytest.raises(UserError, match="already quantised"):
-        from archscale.quantize import quantize_checkpoint
+        from archscale.quantize_cli import quantize_checkpoint
         quantize_checkpoint(tmp_path / "nf4", "int8-weight", tmp_path / "again")
     assert main(["quantize", "--checkpoint", str(run), "--method", "nf4", "--out", str(tmp_path / "nf4")]) == 2
     assert "already exists" in capsys.readouterr().err

@@ -157,7 +157,8 @@ def cmd_export(argv: list[str]) -> int:
 
 @command("quantize", "int8 (dynamic or weight-only) or NF4 weights with torchao -> a folder eval/generate read")
 def cmd_quantize(argv: list[str]) -> int:
-    from archscale.quantize import METHODS, quantize_checkpoint
+    from archscale.quantize import METHODS
+    from archscale.quantize_cli import quantize_checkpoint
 
     p = argparse.ArgumentParser(prog="archscale quantize", description=(
         "Post-training quantisation of every linear layer with torchao (CPU or CUDA). The folder holds the "

@@ -144,7 +144,7 @@ def load_quantized(folder: str | Path):
     from safetensors import safe_open
 
     from archscale.config import ModelConfig
-    from archscale.export.load import Exported, _read_json, load_state_strict
+    from archscale.export.common import Exported, _read_json, load_state_strict
     from archscale.models.model import GPT
 
     folder = Path(folder)
@@ -177,31 +177,3 @@ def load_quantized(folder: str | Path):
     run_cfg["model"] = recipe["model"]
     return Exported(model.eval(), run_cfg, tok if tok.is_file() else None, "quantized",
                     {"method": recipe["method"], "quantized": recipe.get("quantized", [])})
-
-
-def quantize_checkpoint(checkpoint: str | Path, method: str, out: str | Path, tokenizer: str | None = None) -> dict:
-    """Load any checkpoint / export, quantise it on CPU, write the folder. Returns the recipe written."""
-    import torchao
-
-    from archscale.eval.loading import load_eval_model
-    from archscale.export.hf_folder import RUN_FILE, fresh_out_dir, tokenizer_files, write_atomically
-    from archscale.export.load import exported_kind
-
-    if method not in METHODS:
-        raise UserError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-    fresh_out_dir(out)
-    if exported_kind(checkpoint) == "quantized":
-        raise UserError(f"--checkpoint {checkpoint}: already quantised; quantise the original checkpoint")
-    em = load_eval_model(checkpoint, device="cpu", tokenizer=tokenizer)
-    info = quantize_model(em.model, method)
-    recipe = {"method": method, "library": f"torchao {torchao.__version__}", "model": em.model.config.to_dict(),
-              "source": str(checkpoint), **info}
-
-    def fill(tmp: Path) -> None:
-        save_quantized(em.model, info, tmp)
-        (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
-        (tmp / RUN_FILE).write_text(json.dumps(em.run_cfg, indent=2, default=str) + "\n")
-        tokenizer_files(em.tokenizer, tmp, em.model.config.block_size)
-
-    write_atomically(out, fill)
-    return recipe

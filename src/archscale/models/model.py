@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from archscale.config import ModelConfig
-from archscale.models import accounting
+import archscale.models.accounting as accounting
 from archscale.models.block import Block
 from archscale.models.cache import InferenceCache
 from archscale.models.generation import generate

@@ -9,6 +9,7 @@ wall time, as a table and as JSON.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -18,6 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from archscale.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    """Flag errors as one-line UserErrors like every other bad input (`serve` and `bench-serve`)."""
+
+    def error(self, message):
+        raise UserError(f"{self.prog}: {message}")
 
 DEFAULT_PROMPTS = [
     "Lords and Commons of England, consider what nation it is whereof ye are",
@@ -184,7 +192,6 @@ def print_table(doc: dict) -> None:
 
 
 def bench_parser():
-    from archscale.serve.cli import _Parser
 
     p = _Parser(prog="archscale bench-serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000 (or .../v1)")

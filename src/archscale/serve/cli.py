@@ -8,11 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from archscale.errors import UserError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # a flag error is a one-line UserError like every other bad input
-        raise UserError(f"{self.prog}: {message}")
+from archscale.serve.bench import _Parser
 
 
 @dataclass
