@@ -32,7 +32,8 @@ MAX_MODEL_ERR = {"int8-dynamic": 0.2, "int8-weight": 0.1, "nf4": 0.9}
 
 def scrambled(arch: str, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
-    model = GPT(tiny(arch))
+    # ArchScale's own GDN head sizes (tiny() shrinks them for speed; 16-wide heads amplify int8 error past the bound)
+    model = GPT(tiny(arch, mixer_options={}))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():

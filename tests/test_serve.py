@@ -203,7 +203,9 @@ def test_logprobs_and_echo_match_a_forward_pass(server):
     torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:len(ids)]), want, atol=1e-4, rtol=0)
     # generated tokens: greedy, so each is the top alternative, and its logprob is the best of the 2 listed
     for t, v, top in zip(gen, lp["token_logprobs"][len(ids):], lp["top_logprobs"][len(ids):]):
-        assert len(top) <= 2 and max(top.values()) == pytest.approx(v, abs=1e-6) and t in top
+        assert len(top) <= 2 and t in top
+        if len(top) == 2:  # (two byte-level tokens may decode to the same text, e.g. a lone "\ufffd": one key)
+            assert max(top.values()) == pytest.approx(v, abs=1e-6)
     assert lp["text_offset"][len(ids)] == len(tok.decode(ids))
 
 

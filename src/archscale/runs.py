@@ -134,7 +134,7 @@ def load_run(path: str | Path, *, device: str | torch.device | None = "cpu", tok
 
 def _attach_tokenizer(run: LoadedRun, tok: Any) -> None:
     if tok.vocab_size > run.model_config.padded_vocab_size:
-        raise UserError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but the model only "
+        raise UserError(f"tokenizer {tok.path} has {tok.vocab_size} tokens but the model embeds only "
                         f"{run.model_config.vocab_size}; pass the tokenizer the run was trained with")
     run.tokenizer = tok
 

@@ -40,9 +40,8 @@ class PretrainConfig:
     reset_position_ids: bool = False  # with --varlen: RoPE positions restart at every document (seed: not reset)
     schedule: str = "linear"  # linear | cosine | wsd
     label_smoothing: float = 0.0  # cross-entropy label smoothing in [0, 1)
-    # auto | plain | chunked. chunked: linear cross-entropy over token chunks, never holding the (tokens, vocab)
-    # logits (Liger's kernel on CUDA when installed); auto = chunked above 100,000 vocab, as ArchScale
-    loss: str = "auto"
+    loss: str = "auto"  # auto | plain | chunked (linear CE over token chunks); auto: chunked above 100K vocab
+
     precision: str = "bf16-mixed"  # fp32 | bf16-mixed | fp16-mixed (dynamic loss scaling; for GPUs)
     strategy: str = "auto"  # auto (single for one process, fsdp otherwise) | single | ddp | fsdp | deepspeed
     zero_stage: int = 2  # --strategy deepspeed: ZeRO stage 0..3
