@@ -7,8 +7,6 @@ lives in its own file beside this one.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 

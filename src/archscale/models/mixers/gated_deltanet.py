@@ -174,7 +174,7 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, xs: Tensor, state: GDNState | None, doc_ids: Tensor | None) -> Tensor:
         """Causal depthwise conv over (B, C, T); with a state, prepend its inputs and keep the new tail; with
         doc_ids, taps reaching into an earlier document are zeroed."""
-        K, T = self.conv_size, xs.shape[-1]
+        K = self.conv_size
         w = self._weights(xs.dtype)
         if doc_ids is not None:
             return _doc_conv(xs, w[:, 0], doc_ids)
