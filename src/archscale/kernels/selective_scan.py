@@ -34,6 +34,7 @@ other than ``"auto"`` is never overridden, so tests stay deterministic.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -46,18 +47,20 @@ CHUNK = 8     # chunked path: steps per chunk (level-1 scan length; tuned in doc
 BLOCK = 64    # chunked path: steps whose (steps, b, d, n) workspace is materialised at once
 
 _MAMBA_SSM: dict[str, object] = {}
+# the mamba-ssm functions any of our kernels may dispatch to (Mamba-1 here, Mamba-2 in ssd.py): name -> module
+MAMBA_SSM_FUNCTIONS = {
+    "selective_scan_fn": "mamba_ssm.ops.selective_scan_interface",
+    "selective_state_update": "mamba_ssm.ops.triton.selective_state_update",
+    "mamba_chunk_scan_combined": "mamba_ssm.ops.triton.ssd_combined",
+}
 
 
 def _mamba_ssm(name: str):
-    """mamba-ssm's `selective_scan_fn` / `selective_state_update`, or None when not installed (cached)."""
+    """A mamba-ssm function (`MAMBA_SSM_FUNCTIONS`), or None when not installed (cached)."""
     if name not in _MAMBA_SSM:
-        fn = None
         try:
-            if name == "selective_scan_fn":
-                from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as fn
-            else:
-                from mamba_ssm.ops.triton.selective_state_update import selective_state_update as fn
-        except Exception:  # ImportError, or a broken CUDA build raising at import
+            fn = getattr(importlib.import_module(MAMBA_SSM_FUNCTIONS[name]), name)
+        except Exception:  # ImportError, or a broken CUDA/Triton build raising at import
             fn = None
         _MAMBA_SSM[name] = fn
     return _MAMBA_SSM[name]

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from archscale.kernels.selective_scan import ENV_VAR, SCAN_IMPLS
+from archscale.kernels.selective_scan import ENV_VAR, SCAN_IMPLS, _mamba_ssm
 
 # The chunked path's longest chunk. Its work per token is ~Q h elementwise on the (Q, Q) decays plus
 # ~d_inner n / Q on the per-chunk states; on CPU the two balance near Q = sqrt(p n) (~90 at Mamba-2's sizes): one
@@ -52,22 +52,6 @@ from archscale.kernels.selective_scan import ENV_VAR, SCAN_IMPLS
 # result does not depend on the chunking except through rounding; mamba-ssm's CUDA kernel keeps chunk_size.
 TORCH_CHUNK = 128
 
-_MAMBA_SSM: dict[str, object] = {}
-
-
-def _mamba_ssm(name: str):
-    """mamba-ssm's `mamba_chunk_scan_combined` / `selective_state_update`, or None when not installed (cached)."""
-    if name not in _MAMBA_SSM:
-        fn = None
-        try:
-            if name == "mamba_chunk_scan_combined":
-                from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as fn
-            else:
-                from mamba_ssm.ops.triton.selective_state_update import selective_state_update as fn
-        except Exception:  # ImportError, or a broken CUDA/Triton build raising at import
-            fn = None
-        _MAMBA_SSM[name] = fn
-    return _MAMBA_SSM[name]
 
 
 def cuda_ssd_available() -> bool:
