@@ -560,10 +560,15 @@ def test_eval_ppl_needs_no_tokenizer(trained, tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------------ prepare workers
 _PREPARE_SCRIPT = """
-import sys
-from archscale.data import prepare as prep
-if __name__ == "__main__":  # the workers are spawned: they import this file
-    prep.UNIT_BYTES = 1 << 15  # many small units, so the kill lands while workers are busy
+import sys, time
+from archscale.data import prepare as prep, prepare_worker
+_encode = prepare_worker.Tokenizer.encode_batch
+def _slow_encode(self, *args, **kwargs):  # runs in the spawned workers too (they import this file)
+    time.sleep(0.2)  # so the kill lands while the workers are busy, however fast the machine
+    return _encode(self, *args, **kwargs)
+prepare_worker.Tokenizer.encode_batch = _slow_encode
+if __name__ == "__main__":
+    prep.UNIT_BYTES = 1 << 15  # many small units
     prep.prepare(sys.argv[1].split(","), sys.argv[2], sys.argv[3], chunk_size=4096, num_workers=2, progress=False)
 """
 
@@ -612,7 +617,8 @@ def test_kill_9_of_prepare_takes_its_workers_and_a_rerun_is_identical(tmp_path):
         time.sleep(0.05)
     workers = _workers_of(proc)
     assert len(workers) == 2, "the workers never started"
-    time.sleep(1.0)  # let them tokenize and write
+    while not any(killed.glob("*.bin")) and time.time() < deadline and parent.poll() is None:
+        time.sleep(0.05)  # kill once a unit is written: the run is partly done
     assert parent.poll() is None, "prepare finished before the kill; make the input bigger"
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
