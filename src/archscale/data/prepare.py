@@ -186,67 +186,20 @@ def prepare(
     dtype = auto_dtype(tok.vocab_size)
     units = make_units(files, UNIT_BYTES)
     out = _make_output_dir(output_dir)
-
-    settings = {
-        "prepare_version": PREPARE_VERSION,
-        "tokenizer_sha256": file_sha256(tok.path),
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        "bos_id": tok.bos_id,
-        "dtype": dtype.name,
-        "chunk_size": chunk_size,
-        "val_fraction": val_fraction,
-        "max_length": max_length,
-        "shuffle": shuffle,
+    job = {
+        "output_dir": str(out), "tokenizer": tok.path, "dtype": dtype.name, "chunk_size": chunk_size,
+        "val_fraction": val_fraction, "max_length": max_length, "shuffle": shuffle, "seed": seed,
         "text_key": text_key,
-        "seed": seed,
-        "inputs": [f.key for f in files],
-        "units": [[u.name, [f.key for f in u.files]] for u in units],
     }
-    check_settings(out, settings)
-
-    records, pending = _sort_out_done(out, units, log)
-    if pending:
-        _clear_for_redo(out, units, pending, log)
-        job = {
-            "output_dir": str(out), "tokenizer": tok.path, "dtype": dtype.name, "chunk_size": chunk_size,
-            "val_fraction": val_fraction, "max_length": max_length, "shuffle": shuffle, "seed": seed,
-            "text_key": text_key,
-        }
-        if records:
-            log(f"prepare: resuming: {len(records)} of {len(units)} units already done")
-        show = bool(progress) and sys.stderr.isatty()
-        with ProgressUI(show, sum(u.size for u in pending), len(pending)) as ui:
-            def done_cb(unit: Unit, rec: dict) -> None:
-                records[unit.name] = rec
-                ui.units += 1
-
-            run_units(pending, job, min(num_workers, len(pending)), tok, ui, done_cb)
-    else:
-        log(f"prepare: nothing to do: all {len(units)} units of {out} are already prepared")
+    check_settings(out, _settings(job, tok, files, units))
+    records = _tokenize_pending(out, units, job, num_workers, tok, progress, log)
 
     splits, manifest_inputs, skipped = _sum_records(units, records, files)
     n_docs = sum(splits[s]["documents"] for s in SPLITS)
     if n_docs == 0:
         names = ", ".join(str(x) for x in inputs)
         raise UserError(f"--input {names}: no text found (all {skipped} documents are empty)")
-
-    manifest = {
-        "format": "LITPKDS",
-        "version": 1,
-        "tokenizer": tok.path,
-        "tokenizer_kind": tok.kind,
-        "tokenizer_sha256": settings["tokenizer_sha256"],
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        "bos_id": tok.bos_id,
-        "dtype": dtype.name,
-        "chunk_size": chunk_size,
-        "splits": splits,
-        "inputs": manifest_inputs,
-        "settings": {"val_fraction": val_fraction, "max_length": max_length, "shuffle": shuffle,
-                     "text_key": text_key, "seed": seed, "unit_bytes": UNIT_BYTES},
-    }
+    manifest = _manifest(job, tok, splits, manifest_inputs)
     write_json(out / MANIFEST, manifest)  # last: its presence means every unit is done
     tr, va = splits["train"], splits["validation"]
     log(f"prepare: {out}: train {tr['documents']:,} documents, {tr['tokens']:,} tokens in {len(tr['files'])} "
@@ -256,3 +209,62 @@ def prepare(
         log(f"prepare: warning: no document fell into validation (--val_fraction {val_fraction} of {n_docs} "
             f"documents); raise --val_fraction for a validation set")
     return manifest
+
+
+def _settings(job: dict, tok: Tokenizer, files: list[InputFile], units: list[Unit]) -> dict:
+    """Everything that decides the output's bytes: a re-run with other settings must not mix with this one."""
+    return {
+        "prepare_version": PREPARE_VERSION,
+        "tokenizer_sha256": file_sha256(tok.path),
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "bos_id": tok.bos_id,
+        "dtype": job["dtype"],
+        "chunk_size": job["chunk_size"],
+        "val_fraction": job["val_fraction"],
+        "max_length": job["max_length"],
+        "shuffle": job["shuffle"],
+        "text_key": job["text_key"],
+        "seed": job["seed"],
+        "inputs": [f.key for f in files],
+        "units": [[u.name, [f.key for f in u.files]] for u in units],
+    }
+
+
+def _tokenize_pending(out: Path, units: list[Unit], job: dict, num_workers: int, tok: Tokenizer, progress: bool,
+                      log: Callable[[str], None]) -> dict[str, dict]:
+    """Tokenize the units not finished by an earlier run; return every unit's record."""
+    records, pending = _sort_out_done(out, units, log)
+    if not pending:
+        log(f"prepare: nothing to do: all {len(units)} units of {out} are already prepared")
+        return records
+    _clear_for_redo(out, units, pending, log)
+    if records:
+        log(f"prepare: resuming: {len(records)} of {len(units)} units already done")
+    show = bool(progress) and sys.stderr.isatty()
+    with ProgressUI(show, sum(u.size for u in pending), len(pending)) as ui:
+        def done_cb(unit: Unit, rec: dict) -> None:
+            records[unit.name] = rec
+            ui.units += 1
+
+        run_units(pending, job, min(num_workers, len(pending)), tok, ui, done_cb)
+    return records
+
+
+def _manifest(job: dict, tok: Tokenizer, splits: dict, manifest_inputs: list) -> dict:
+    return {
+        "format": "LITPKDS",
+        "version": 1,
+        "tokenizer": tok.path,
+        "tokenizer_kind": tok.kind,
+        "tokenizer_sha256": file_sha256(tok.path),
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "bos_id": tok.bos_id,
+        "dtype": job["dtype"],
+        "chunk_size": job["chunk_size"],
+        "splits": splits,
+        "inputs": manifest_inputs,
+        "settings": {"val_fraction": job["val_fraction"], "max_length": job["max_length"], "shuffle": job["shuffle"],
+                     "text_key": job["text_key"], "seed": job["seed"], "unit_bytes": UNIT_BYTES},
+    }

@@ -87,19 +87,29 @@ def draw_report(paths: list[str], out: str) -> None:
     labels: list[str] = []
     for i, d in enumerate(docs):
         labels.append(_label(d, i, labels))
-    fig, axes = plt.subplots(1, 5, figsize=(25, 4.6))
+    fig, axes = plt.subplots(1, len(_PANELS), figsize=(5 * len(_PANELS), 4.6))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, panel in zip(axes, _PANELS):
+        panel(ax, docs, labels, colors)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out_p = Path(out)
+    out_p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_p, dpi=110)
+    plt.close(fig)
 
-    # standard
-    ax = axes[0]
+
+def _standard_panel(ax, docs: list[dict], labels: list[str], colors: list[str]) -> None:
     if _bars(ax, [standard_scores(d) for d in docs], labels, colors):
         ax.set_ylabel("score")
     else:
         _no_data(ax, "lm-eval")
     ax.set_title("Standard (lm-eval)")
 
-    # long context: phonebook
-    ax = axes[1]
+
+def _phonebook_panel(ax, docs: list[dict], labels: list[str], colors: list[str]) -> None:
     any_pb = False
     for i, d in enumerate(docs):
         pb = d["results"].get("phonebook")
@@ -117,8 +127,8 @@ def draw_report(paths: list[str], out: str) -> None:
     ax.set_ylabel("exact match (mean ± std of 4)")
     ax.set_title("Long context: Phonebook")
 
-    # long context: NIAH
-    ax = axes[2]
+
+def _niah_panel(ax, docs: list[dict], labels: list[str], colors: list[str]) -> None:
     any_niah = False
     styles = {"niah_single_1": "-", "niah_single_2": "--", "niah_single_3": ":"}
     for i, d in enumerate(docs):
@@ -139,8 +149,8 @@ def draw_report(paths: list[str], out: str) -> None:
     ax.set_ylabel("RULER string match")
     ax.set_title("Long context: RULER NIAH")
 
-    # extrapolation
-    ax = axes[3]
+
+def _extrapolation_panel(ax, docs: list[dict], labels: list[str], colors: list[str]) -> None:
     any_ext = False
     for i, d in enumerate(docs):
         v = (d["results"].get("ppl") or {}).get("validation")
@@ -160,20 +170,13 @@ def draw_report(paths: list[str], out: str) -> None:
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("Extrapolation")
 
-    # reasoning
-    ax = axes[4]
+
+def _reasoning_panel(ax, docs: list[dict], labels: list[str], colors: list[str]) -> None:
     if _bars(ax, [reasoning_scores(d) for d in docs], labels, colors):
         ax.set_ylabel("accuracy")
     else:
         _no_data(ax, "reasoning")
     ax.set_title("Reasoning (archscale reason)")
 
-    for ax in axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out_p = Path(out)
-    out_p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_p, dpi=110)
-    plt.close(fig)
+
+_PANELS = (_standard_panel, _phonebook_panel, _niah_panel, _extrapolation_panel, _reasoning_panel)
