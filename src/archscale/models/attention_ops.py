@@ -151,11 +151,15 @@ def _cuda_path(q, k, v, scale, q_pos0, k_pos0, window, q_docs, k_docs, impl):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_pos0: int = 0, k_pos0: int = 0,
-           window: int = 0, q_docs: torch.Tensor | None = None, k_docs: torch.Tensor | None = None) -> torch.Tensor:
+           window: int = 0, q_docs: torch.Tensor | None = None, k_docs: torch.Tensor | None = None,
+           key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, Tq, d), k (B, G, Tk, d), v (B, G, Tk, dv) -> (B, H, Tq, dv). Queries sit at absolute positions
     q_pos0.., keys at k_pos0..; each query sees keys at or before its position (and, with window W, the W-1
     before it). The keys must end at the last query's position (what training and cached decoding give).
-    With q_docs (B, Tq) / k_docs (B, Tk) document ids, a query sees only keys of its own document."""
+    With q_docs (B, Tq) / k_docs (B, Tk) document ids, a query sees only keys of its own document.
+    `key_mask` (B, 1, Tq, Tk) bool replaces all of that (rows decoding at different positions)."""
+    if key_mask is not None:
+        return _sdpa(q, k, v, scale, mask=key_mask)
     Tq, Tk = q.shape[2], k.shape[2]
     if q_pos0 + Tq != k_pos0 + Tk:
         raise ValueError(f"keys must end where queries end (q {q_pos0}+{Tq}, k {k_pos0}+{Tk})")

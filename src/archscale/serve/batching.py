@@ -8,9 +8,10 @@ different times (different prompt lengths, different numbers of generated tokens
   all active rows stacked on dim 0: K/V buffers padded to the longest row (full attention, sliding windows and the
   YOCO KV layer alike; zeros where a row has no key yet), and recurrent states (Mamba's conv + SSM state, or any
   dataclass of batch-first tensors) stacked as they are;
-- `decode_step` runs one token per row with per-row RoPE positions and a per-row key mask; attention layers are
-  computed here from the layer's own weights (the model's decode path has no per-row positions), every other
-  layer runs its own `forward` on the stacked state;
+- `decode_step` runs one token per row through every block's own `forward`, with per-row RoPE positions and
+  `ForwardContext.row_pos`: a layer with a K/V cache asks `ctx.cache.row_kv(layer)` for its stacked keys, which
+  appends this step's K/V per row and returns a per-row key mask; a recurrent layer gets its stacked state from
+  `ctx.cache.layer(...)` as in ordinary decoding;
 - a row leaves by moving the last row into its slot (one copy), so active rows stay contiguous (views, no gathers).
 
 `tests/test_serve.py` checks `decode_step` against `GPT.forward` with a cache for every architecture, alone and
@@ -24,11 +25,8 @@ from typing import Any
 
 import torch
 
-from archscale.models.mixers import ForwardContext
-from archscale.models.mixers.attention import Attention
-from archscale.models.attention_ops import _sdpa
 from archscale.models.cache import InferenceCache, KVCache, WindowKVCache
-from archscale.models.rope import apply_rope
+from archscale.models.mixers import ForwardContext
 
 
 class _SlotKV:
@@ -59,6 +57,26 @@ class _SlotKV:
     def move(self, src: int, dst: int) -> None:
         self.k[dst], self.v[dst] = self.k[src], self.v[src]
 
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, n_keys: int):
+        """k, v (B, G, 1, hd): row b's key at position pos[b]. Returns the keys 0..n_keys-1 of the B rows and the
+        mask (B, 1, 1, n_keys) of those each row's query may see."""
+        B = k.shape[0]
+        self.ensure(n_keys)
+        rows = torch.arange(B, device=k.device)
+        self.k[rows, :, pos] = k[:, :, 0]
+        self.v[rows, :, pos] = v[:, :, 0]
+        return self.k[:B, :, :n_keys], self.v[:B, :, :n_keys], _key_mask(pos, n_keys, self.window)
+
+
+class _RowKV:
+    """One layer's `_SlotKV` bound to this step's key count (what `Attention` sees as `ctx.cache.row_kv(i)`)."""
+
+    def __init__(self, slot: _SlotKV, n_keys: int):
+        self.slot, self.n_keys = slot, n_keys
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+        return self.slot.append(k, v, pos, self.n_keys)
+
 
 class _SlotRecurrent:
     """A recurrent state type (a dataclass of batch-first tensors, e.g. `MambaState`), stacked over rows."""
@@ -88,11 +106,16 @@ class _SlotRecurrent:
 
 
 class _StackedCache:
-    """What a non-attention layer sees as `ctx.cache` during `decode_step`: its stacked state as one object."""
+    """What a layer sees as `ctx.cache` during `decode_step`: K/V layers get `row_kv`, recurrent layers their
+    stacked state through `layer`, as from an `InferenceCache`."""
 
-    def __init__(self, batch: "BatchState"):
+    def __init__(self, batch: "BatchState", n_keys: int):
         self.batch = batch
+        self.n_keys = n_keys  # from the host-side lengths: no device sync per layer
         self.views: dict[int, Any] = {}
+
+    def row_kv(self, idx: int) -> _RowKV:
+        return _RowKV(self.batch.kv[idx], self.n_keys)
 
     def layer(self, idx: int, make):
         if idx not in self.views:
@@ -158,46 +181,6 @@ def _key_mask(lengths: torch.Tensor, n_keys: int, window: int) -> torch.Tensor:
     return mask[:, None, None, :]
 
 
-def _attention_step(m: Attention, x: torch.Tensor, ctx: ForwardContext, batch: BatchState,
-                    pos: torch.Tensor, shared: dict) -> torch.Tensor:
-    """One token per row through attention layer `m` (mirrors `Attention.forward` with per-row positions)."""
-    B = x.shape[0]
-    H, G, hd = m.n_head, m.n_query_groups, m.head_size
-    if m.kind == "cross":
-        q = m.q_proj(x).view(B, 1, H, hd)
-        if m.use_rope:
-            q = apply_rope(q, ctx.cos, ctx.sin)
-        q = q.transpose(1, 2)
-        k, v, mask = shared["kv"]
-    else:
-        qkv = m.attn(x)
-        qk, v = qkv.split(((H + G) * hd, G * hd), dim=-1)
-        qk = qk.view(B, 1, H + G, hd)
-        if m.use_rope:
-            qk = apply_rope(qk, ctx.cos, ctx.sin)
-        q, k = qk.split((H, G), dim=2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, 1, G, hd).transpose(1, 2)
-        slot = batch.kv[m.layer_idx]
-        n_keys = shared["n_keys"]
-        slot.ensure(n_keys)
-        rows = torch.arange(B, device=x.device)
-        slot.k[rows, :, pos] = k[:, :, 0]
-        slot.v[rows, :, pos] = v[:, :, 0]
-        k, v = slot.k[:B, :, :n_keys], slot.v[:B, :, :n_keys]
-        mask = _key_mask(pos, n_keys, slot.window)
-        if m.kind in ("kv", "kv_mem"):
-            shared["kv"] = (k, v, _key_mask(pos, n_keys, 0))
-
-    def core(q_, k_, v_):
-        return _sdpa(q_, k_, v_, m.scale, mask=mask)
-
-    y = m.diff(q, k, v, core) if m.diff is not None else core(q, k, v)
-    y = y.transpose(1, 2).reshape(B, 1, H * hd)
-    if m.kind == "kv_mem":  # SambaY-A: the GMUs gate this layer's output before its projection
-        ctx.memory = y
-    return m.proj(y)
-
-
 @torch.no_grad()
 def decode_step(batch: BatchState, tokens: torch.Tensor) -> torch.Tensor:
     """tokens (rows,): each row's next input token, at position lengths[row]. Returns logits (rows, vocab) and
@@ -205,24 +188,16 @@ def decode_step(batch: BatchState, tokens: torch.Tensor) -> torch.Tensor:
     model, B = batch.model, batch.rows
     cfg = model.config
     pos = torch.tensor(batch.lengths, device=tokens.device)
-    n_keys = max(batch.lengths) + 1  # from the host-side lengths: no device sync per layer
+    n_keys = max(batch.lengths) + 1
     cos = sin = None
     if not cfg.nope:
         cos, sin = model.rope(n_keys, tokens.device)
         cos, sin = cos[pos][:, None, None, :], sin[pos][:, None, None, :]  # (B, 1, 1, hd/2)
-    cache = _StackedCache(batch)
-    ctx = ForwardContext(pos=0, cos=cos, sin=sin, cache=cache)
-    shared: dict = {"n_keys": n_keys}
+    cache = _StackedCache(batch, n_keys)
+    ctx = ForwardContext(pos=0, cos=cos, sin=sin, cache=cache, row_pos=pos)
     x = model.wte(tokens[:, None]).float()
     for block in model.blocks:
-        if isinstance(block.mixer, Attention):
-            s = block.residual_scale
-            h = _attention_step(block.mixer, block.norm_1(x), ctx, batch, pos, shared)
-            x = x + (h if s == 1.0 else s * h)
-            h = block.mlp(block.norm_2(x), ctx)
-            x = x + (h if s == 1.0 else s * h)
-        else:
-            x = block(x, ctx)
+        x = block(x, ctx)
     for idx, state in cache.views.items():
         batch.recurrent[idx].write_back(state, B)
     batch.lengths = [n + 1 for n in batch.lengths]

@@ -57,7 +57,7 @@ class Attention(nn.Module):
                 raise RuntimeError(f"layer {self.layer_idx}: cross-attention runs before the KV layer")
             k, v = ctx.shared_kv
             q = q.transpose(1, 2)
-            k_pos0 = 0
+            k_pos0, mask = 0, ctx.shared_kv_mask
         else:
             # q and k are adjacent in the fused output, so RoPE rotates both in one call (half the elementwise
             # kernels of rotating them separately), on the (B, T, heads, hd) layout before the transpose.
@@ -68,14 +68,14 @@ class Attention(nn.Module):
                 qk = apply_rope(qk, ctx.cos, ctx.sin)
             q, k = qk.split((H, G), dim=2)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, T, G, hd).transpose(1, 2)
-            k, v, k_pos0 = self._cached(k, v, ctx)
+            k, v, k_pos0, mask = self._cached(k, v, ctx)
             if self.kind in ("kv", "kv_mem"):
-                ctx.shared_kv = (k, v)
+                ctx.shared_kv, ctx.shared_kv_mask = (k, v), mask
         docs = ctx.doc_ids  # training only (no cache): queries and keys cover the same positions
 
         def core(q_, k_, v_):
             return attend(q_, k_, v_, scale=self.scale, q_pos0=q_pos0, k_pos0=k_pos0, window=self.window,
-                          q_docs=docs, k_docs=docs)
+                          q_docs=docs, k_docs=docs, key_mask=mask)
 
         y = self.diff(q, k, v, core) if self.diff is not None else core(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, H * hd)
@@ -84,16 +84,20 @@ class Attention(nn.Module):
         return self.proj(y)
 
     def _cached(self, k, v, ctx: ForwardContext):
-        """Add this step's K/V to the layer's cache; return the keys to attend to and the first one's position."""
+        """Add this step's K/V to the layer's cache; return the keys to attend to, the first one's position and
+        an explicit key mask (only for rows at different positions)."""
         if ctx.cache is None:
-            return k, v, ctx.pos
+            return k, v, ctx.pos, None
+        if ctx.row_pos is not None:
+            k, v, mask = ctx.cache.row_kv(self.layer_idx).append(k, v, ctx.row_pos)
+            return k, v, 0, mask
         if self.window:
             state = ctx.state(self.layer_idx, lambda: WindowKVCache(self.window))
             k, v, n_old = state.append(k, v)
-            return k, v, ctx.pos - n_old
+            return k, v, ctx.pos - n_old, None
         state = ctx.state(self.layer_idx, lambda: KVCache(ctx.cache.capacity))
         k, v = state.append(k, v)
-        return k, v, 0
+        return k, v, 0, None
 
 
 def attention_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float]:

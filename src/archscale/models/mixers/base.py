@@ -164,6 +164,11 @@ class ForwardContext:
     cache: Any = None  # InferenceCache when decoding
     memory: Optional[torch.Tensor] = None  # GMU memory (set by the layer that exports it)
     shared_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # YOCO K/V (B, G, T_kv, hd), key 0 = position 0
+    # Rows decoding at different positions (continuous batching, serve/batching.py): row_pos (B,) is each row's
+    # position, and the cache's `row_kv(layer_idx)` appends K/V per row and returns the keys with a per-row mask,
+    # which the YOCO KV layer shares as shared_kv_mask (B, 1, 1, T_kv)
+    row_pos: Optional[torch.Tensor] = None
+    shared_kv_mask: Optional[torch.Tensor] = None
     extra: dict = field(default_factory=dict)  # per-forward values a mixer family shares (e.g. cached doc resets)
 
     def state(self, layer_idx: int, make: Callable[[], Any]) -> Any:
