@@ -9,6 +9,10 @@ the memory available now is skipped with a message, not started.
 
     python benchmarks/cross_entropy_memory.py                      # tokens 2048 and 8192
     python benchmarks/cross_entropy_memory.py --tokens 4096 --paths chunked
+
+When plain runs were measured at two or more sizes but skipped at a bigger one, the plain path's loss memory there
+is extrapolated by a least-squares line through the measured (tokens, loss GiB) points (the plain path's buffers
+are tokens x vocab, so the line is the model) and printed as such, with the chunked/plain ratio.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, vocab {a.vocab}, width {a.width}, fp32, forward + backward")
     print(f"{'path':8} {'tokens':>7} {'loss':>9} {'inputs GiB':>11} {'peak GiB':>9} {'loss GiB':>9}")
+    measured: dict[tuple[str, int], float] = {}
     for tokens in (int(x) for x in a.tokens.split(",")):
         for path in a.paths.split(","):
             need = 3 * tokens * a.vocab * 4 + 3 * a.vocab * a.width * 4 if path == "plain" else 0
@@ -83,8 +88,29 @@ def main() -> None:
                 print(f"{path:8} {tokens:7d}  failed (exit {done.returncode}): {done.stderr.strip()[-200:]}")
                 continue
             r = json.loads(lines[-1][7:])
+            measured[(path, tokens)] = r["loss_gib"]
             print(f"{path:8} {tokens:7d} {r['loss']:9.4f} {r['before_gib']:11.2f} {r['peak_gib']:9.2f} "
                   f"{r['loss_gib']:9.2f}", flush=True)
+    compare(measured)
+
+
+def compare(measured: dict[tuple[str, int], float]) -> None:
+    """chunked / plain loss memory at every size with a chunked run: measured plain, else extrapolated."""
+    plain = sorted((t, g) for (p, t), g in measured.items() if p == "plain")
+    for (path, tokens), chunked in sorted(measured.items(), key=lambda kv: kv[0][1]):
+        if path != "chunked":
+            continue
+        if ("plain", tokens) in measured:
+            ref, how = measured[("plain", tokens)], "measured"
+        elif len(plain) >= 2:
+            n = len(plain)
+            mt, mg = sum(t for t, _ in plain) / n, sum(g for _, g in plain) / n
+            slope = sum((t - mt) * (g - mg) for t, g in plain) / sum((t - mt) ** 2 for t, _ in plain)
+            ref = mg + slope * (tokens - mt)
+            how = f"extrapolated from plain at {', '.join(str(t) for t, _ in plain)} tokens"
+        else:
+            continue
+        print(f"tokens {tokens}: chunked {chunked:.2f} GiB / plain {ref:.2f} GiB ({how}) = {chunked / ref:.3f}")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,23 @@ def test_chunked_without_grad_and_all_ignored():
     assert torch.isnan(chunked_linear_cross_entropy(h, w, t, 10)) and torch.isnan(plain(h, w, t, 10, 0.0, -100))
 
 
+def test_gradients_are_handed_over_once_scaled_by_the_upstream_gradient():
+    """The forward's gradient buffers are scaled in place (no second weight-sized copy): a loss scaled by 0.25
+    (gradient accumulation) gives a quarter of the gradients, and a second backward is a clear error."""
+    torch.manual_seed(0)
+    h, w = torch.randn(16, 8, requires_grad=True), torch.randn(40, 8, requires_grad=True)
+    t = torch.randint(0, 40, (16,))
+    (0.25 * F.cross_entropy(h @ w.T, t)).backward()
+    ref_h, ref_w = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    loss = chunked_linear_cross_entropy(h, w, t, 40, chunk_rows=4)
+    (0.25 * loss).backward(retain_graph=True)
+    torch.testing.assert_close(h.grad, ref_h, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(w.grad, ref_w, rtol=1e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
 def test_default_chunk_holds_about_a_hidden_state_of_logits():
     rows = default_chunk_rows(8192, 200064, 2560)
     assert rows == 128 and rows * 200064 <= 2 * 8192 * 2560

@@ -71,16 +71,24 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if need_w:
                 grad_w[:vocab_size].addmm_(g.T, h)
         n_valid = valid.sum()
-        ctx.save_for_backward(grad_h, grad_w, n_valid)
+        # kept on ctx, not saved: backward scales them in place and hands them over (dropping its reference, so
+        # autograd can take the weight gradient as .grad without a copy). A weight-sized second buffer would be
+        # the biggest allocation of the whole loss.
+        ctx.grads = (grad_h, grad_w, n_valid)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total / n_valid  # nan when every token is ignored, as F.cross_entropy
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_h, grad_w, n_valid = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError("chunked_linear_cross_entropy: a second backward through the same loss (its "
+                               "gradients are computed in forward and handed over once); recompute the loss")
+        grad_h, grad_w, n_valid = ctx.grads
+        ctx.grads = None
         scale = grad_out / n_valid
-        gh = (grad_h * scale).to(ctx.dtypes[0]) if grad_h is not None else None
-        gw = (grad_w * scale).to(ctx.dtypes[1]) if grad_w is not None else None
+        gh = grad_h.mul_(scale).to(ctx.dtypes[0]) if grad_h is not None else None
+        gw = grad_w.mul_(scale).to(ctx.dtypes[1]) if grad_w is not None else None
+        del grad_h, grad_w
         return gh, gw, None, None, None, None, None
 
 
