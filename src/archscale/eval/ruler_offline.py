@@ -80,16 +80,22 @@ def _hook_haystack(prepare_niah) -> None:
     prepare_niah.cached_sent_tokenize = sent_tokenize
 
 
-def ruler_task_names() -> set[str]:
-    """The tasks (and the `ruler` group) in lm-eval's ruler folder: their YAML file names."""
+def ruler_folder():
+    """lm-eval's tasks/ruler folder (None without lm-eval)."""
     try:
         import lm_eval.tasks
     except ImportError:
-        return set()
+        return None
     from pathlib import Path
 
     folder = Path(lm_eval.tasks.__file__).parent / "ruler"
-    return {p.stem for p in folder.glob("*.yaml")}
+    return folder if folder.is_dir() else None
+
+
+def ruler_task_names() -> set[str]:
+    """The tasks (and the `ruler` group) in lm-eval's ruler folder: their YAML file names."""
+    folder = ruler_folder()
+    return {p.stem for p in folder.glob("*.yaml")} if folder else set()
 
 
 def wants_ruler(tasks) -> bool:

@@ -121,6 +121,8 @@ def run_lm_eval(em, tasks: list[str], include: list[str], batch_size: int, max_l
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     metadata = dict(metadata or {})
+    if ruler_offline.wants_ruler(tasks):  # index lm-eval's RULER folder alone, not its ~12,000-file catalogue
+        include = [*include, str(ruler_offline.ruler_folder())]
     tm = TaskManager(include_path=include or None, include_defaults=False, metadata=metadata)
     missing = [t for t in tasks if t not in tm.all_tasks]
     if missing:  # the built-in catalogue takes seconds to index; only when a task is not local
@@ -140,6 +142,8 @@ def run_lm_eval(em, tasks: list[str], include: list[str], batch_size: int, max_l
     except (ConnectionError, OSError) as e:
         raise UserError(f"lm-eval could not load a task's data offline ({str(e).splitlines()[0][:200]}); "
                         "use local tasks (--lm_eval_include DIR)") from None
+    except ValueError as e:  # e.g. RULER: "Could not generate any sample ... Raise `max_seq_lengths`"
+        raise UserError(f"lm-eval: {(str(e).splitlines() or [type(e).__name__])[0][:300]}") from None
     out = {}
     for name, metrics in (res or {}).get("results", {}).items():
         clean = {}
