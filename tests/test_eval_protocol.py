@@ -50,6 +50,34 @@ def test_ppl_equals_the_runs_logged_validation_loss(tmp_path, varlen):
         assert abs(plain - logged) > 1e-3, (plain, logged)
     else:
         assert plain == pytest.approx(logged, rel=1e-6)
+    if varlen:  # --protocol archscale: 1x and 2x (ctx 64 is not 4096) over ArchScale's 200 samples, cycled
+        check_archscale_ppl(run, tmp_path)
+
+
+def check_archscale_ppl(run: Path, tmp_path: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from archscale.data.format import open_shard
+    from archscale.eval.loading import load_eval_model
+
+    out = tmp_path / "a.json"
+    assert main(["eval", "--checkpoint", str(run), "--tasks", "ppl", "--protocol", "archscale", "--batch_size", "8",
+                 "--output", str(out), "--device", "cpu"]) == 0
+    v = json.loads(out.read_text())["results"]["ppl"]["validation"]
+    assert set(k for k in v if k.endswith("x")) == {"1x", "2x"} and v["samples"] == 200
+    em = load_eval_model(run, device="cpu", need_tokenizer=False)
+    order = upstream_validation_order(tmp_path / "data", 129)
+    distinct = sorted(set(order))
+    rows = torch.from_numpy(np.stack([open_shard(f)[b * 129:(b + 1) * 129] for f, b in distinct]).astype(np.int64))
+    sums = {}
+    with torch.no_grad():
+        for k in (1, 2):  # a separate forward per length, as validate() does; per-sample mean losses
+            logits = em.forward(em.model, rows[:, :64 * k])
+            per = F.cross_entropy(logits.transpose(1, 2), rows[:, 1:64 * k + 1], reduction="none").mean(1)
+            sums[k] = sum(float(per[distinct.index(s)]) for s in order)
+    assert v["1x"]["loss"] == pytest.approx(sums[1] / 200, rel=1e-5)
+    assert v["2x"]["loss"] == pytest.approx(sums[2] / 200, rel=1e-5)
 
 
 # ------------------------------------------------------------------------ ArchScale's validation sample selection
