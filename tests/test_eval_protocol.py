@@ -30,8 +30,6 @@ def _train(tmp: Path, varlen: bool) -> Path:
 def test_ppl_equals_the_runs_logged_validation_loss(tmp_path, varlen):
     """The same blocks (ctx + 1 tokens, micro_bsz per batch, eval_iters batches) give the trainer's val_loss at the
     last step; on a --varlen run only the document-masked forward does (the plain one differs by > 1e-3)."""
-    import torch
-
     from archscale.eval.loading import load_eval_model
     from archscale.eval.ppl import validation_extrapolation
 
@@ -192,8 +190,8 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids)
 
 
-@pytest.mark.parametrize("generated", ["6123456789\nBob", "\n6123456789", "\n6123456789\nBob", "6123456789<EOS>", " 6123456789 \n",
-                                       "61234567890"])
+@pytest.mark.parametrize("generated", ["6123456789\nBob", "\n6123456789", "\n6123456789\nBob", "6123456789<EOS>",
+                                       " 6123456789 \n", "61234567890"])
 def test_strict_scoring_is_upstreams(generated):
     """What the model generates (<EOS> = the EOS token) -> right or wrong exactly as ArchScale scores it (which
     decodes EOS as text), and the lenient native scoring accepts the two forms ArchScale rejects."""
@@ -275,7 +273,8 @@ def test_ruler_niah_through_lm_eval_with_our_tokenizer_offline(tiny_runs, tmp_pa
     from archscale.eval.ruler_offline import ruler_folder
 
     init = TaskManager.__init__  # lm-eval's full catalogue takes a minute to index: its RULER folder only
-    monkeypatch.setattr(TaskManager, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "include_defaults": False}))
+    monkeypatch.setattr(TaskManager, "__init__",
+                        lambda self, *a, **k: init(self, *a, **{**k, "include_defaults": False}))
     res = tmp_path / "lm"
     assert main(["lm_eval", "--model", "archscale", "--model_args", f"pretrained={run},max_length=1024",
                  "--tasks", "niah_single_1", "--metadata", '{"max_seq_lengths": [1024]}', "--limit", "1",

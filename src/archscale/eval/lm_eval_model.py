@@ -8,7 +8,7 @@
 form): pretrained=PATH (run dir, checkpoint, exported HF folder, quantized folder; `checkpoint=` is a synonym),
 config=NAME (optional, e.g. sambay_d16: checked against the checkpoint), max_length=N, batch_size=N (or lm-eval's
 --batch_size), device=cpu|cuda[:i] (or --device; default: cuda if there is one, else cpu), tokenizer=PATH,
-precision=fp32|bf16 (dtype=float32|bfloat16 also accepted).
+precision=fp32|bf16 (dtype=float32|bfloat16 also accepted), add_bos_token=True|False, max_gen_toks=N (default 256).
 
 Scoring conventions (those of lm-eval's HF model): a context's trailing whitespace moves to the continuation;
 context + continuation are encoded together and split at the context's token count; an empty context is
@@ -16,8 +16,12 @@ replaced by the EOS token (our models have no BOS; documents are separated by EO
 than `max_length` keep their last `max_length` tokens. Sequences in a batch are right-padded, which is exact for
 causal models (a position never sees later ones) and only the real positions are read.
 `loglikelihood_rolling` predicts every token of the text exactly once, in windows of `max_length` tokens, the
-first conditioned on EOS. `generate_until` decodes greedily (archscale.eval.decode) up to `max_gen_toks` and cuts
-the text at the first stop string.
+first conditioned on EOS. `generate_until` follows lm-eval's HF model: lm-eval's own generation-kwargs
+normalisation (`max_gen_toks` and its aliases, do_sample / temperature / top_k / top_p), the context left-truncated
+to `max_length - max_gen_toks` tokens (an error when nothing fits), greedy or sampled decoding
+(archscale.eval.decode), the text cut at each stop string. `add_bos_token=True` prepends the tokenizer's BOS to
+every encoding (and conditions empty contexts on it), as lm-eval does for Llama-2 tokenizers. Default max_length:
+the training length (ArchScale's harness used 4096; `archscale eval --protocol archscale` passes 4096).
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ As RULER (NVIDIA/RULER, and its port in lm-eval's `ruler` tasks) defines them:
 Offline differences (documented in docs/EVALUATION.md): RULER's essay haystack is Paul Graham's essays, a
 download; ours is John Milton's *Areopagitica* (1644, public domain, shipped in `archscale/eval/data/`), repeated
 when a length needs more words than it has, or any text file given with `--haystack_file`. Sentences are split
-with a regex instead of NLTK punkt, keys come from our own adjective/noun lists instead of `wonderwords`, and
+with a regex instead of NLTK punkt, keys come from our own adjective/noun lists (`keys="offline"`) or, with
+`keys="wonderwords"` (--niah_keys), from RULER's `wonderwords` vocabulary, and
 below 4096 tokens the essay step is max(10, length // 8) words instead of 500 (so a 256-token model still gets a
 haystack).
 """

@@ -3,7 +3,8 @@
 Extrapolation (as ArchScale validates): each validation sample holds `k_max * T + 1` tokens (T = training length);
 one forward pass over the first `k_max * T` tokens gives the loss on every prefix `k * T`, so `loss@kx` is the
 mean next-token loss over positions `0 .. k*T-1` of the same samples (a causal model's prefix logits do not
-depend on later tokens).
+depend on later tokens). The forward is the run's own (`EvalModel.forward`: document masking for --varlen runs,
+as the trainer validates). Samples: every block in file order, or ArchScale's 200 (`archscale_block_order`).
 
 Sliding window (HF-style): windows of `window` tokens start every `stride` tokens; each window scores only the
 tokens no earlier window scored, so every token is predicted exactly once, with `window - stride` tokens or more
@@ -103,7 +104,8 @@ def validation_extrapolation(em, data_dir, factors: list[int], batch_size: int =
         if int(batch.max()) >= vocab:
             raise UserError(f"{data_dir}: token id {int(batch.max())} >= the model's vocab size {vocab}; "
                             "these shards were made with another tokenizer")
-        losses = _token_losses(em.model, batch[:, :-1], batch[:, 1:], em.autocast, getattr(em, "forward", _plain_forward))
+        forward = getattr(em, "forward", _plain_forward)
+        losses = _token_losses(em.model, batch[:, :-1], batch[:, 1:], em.autocast, forward)
         for k in factors:
             sums[k] += float(losses[:, :k * T].sum())
         count_samples += batch.shape[0]

@@ -62,7 +62,8 @@ def resolve(args, train_len: int, varlen: bool, needs: set[str]) -> tuple[dict, 
     if "phonebook" in needs and out["phonebook_names"] == "names" and not _available("names"):
         missing.append(("names", "Phonebook books use archscale's offline name lists, not ArchScale's"))
         out["phonebook_names"] = "offline"
-    if any(t.startswith("niah_") for t in needs) and out["niah_keys"] == "wonderwords" and not _available("wonderwords"):
+    niah = any(t.startswith("niah_") for t in needs)
+    if niah and out["niah_keys"] == "wonderwords" and not _available("wonderwords"):
         missing.append(("wonderwords", "NIAH keys come from archscale's offline word lists, not RULER's"))
         out["niah_keys"] = "offline"
     for package, consequence in missing:

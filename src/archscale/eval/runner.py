@@ -3,8 +3,11 @@
 Context limits: `limit` (the longest sequence any task may feed the model) is `--max_length` when given, else
 4x the training length (ArchScale's extrapolation range), and never more than a hard limit the model declares
 (`model.max_context_length` or `config.max_seq_length`, if present). A task that needs more stops with a
-one-line error before any work. lm-eval tasks read at most `--max_length` tokens (default: the training length),
-keeping the last ones, as lm-eval's own models do.
+one-line error before any work. lm-eval tasks read at most `--max_length` tokens (default: the training length;
+4096 under --protocol archscale), keeping the last ones, as lm-eval's own models do.
+
+`--protocol` (eval/protocol.py) fills every flag left unset with archscale's or ArchScale's settings; `run` resolves
+them, plans every task (so a bad setting fails before any work), runs the built-in tasks, then lm-eval's.
 """
 
 from __future__ import annotations
