@@ -28,8 +28,13 @@ def _full_forward_greedy(model, idx: torch.Tensor, max_new_tokens: int, eos_id: 
 
 
 @torch.no_grad()
-def _greedy_tensor(model, idx: torch.Tensor, max_new_tokens: int, eos_id: int | None) -> torch.Tensor:
+def _greedy_tensor(model, idx: torch.Tensor, max_new_tokens: int, eos_id: int | None,
+                   sampling: dict | None = None) -> torch.Tensor:
     gen = getattr(model, "generate", None)
+    if sampling:
+        if not callable(gen):
+            raise ValueError("sampling needs a model with a generate() method")
+        return gen(idx, max_new_tokens, eos_id=eos_id, **sampling)
     if callable(gen):
         return gen(idx, max_new_tokens, temperature=0.0, eos_id=eos_id)
     return _full_forward_greedy(model, idx, max_new_tokens, eos_id)
@@ -47,8 +52,9 @@ def greedy(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_id: int | 
 
 
 def greedy_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | None = None,
-                 batch_size: int = 8) -> list[list[int]]:
-    """Greedy continuations of many prompts (same order as `prompts`); equal-length prompts share a batch."""
+                 batch_size: int = 8, sampling: dict | None = None) -> list[list[int]]:
+    """Greedy continuations of many prompts (same order as `prompts`); equal-length prompts share a batch.
+    `sampling` ({"temperature", "top_k", "top_p"}) samples instead, through `model.generate`."""
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
     device = next(model.parameters()).device
@@ -63,7 +69,7 @@ def greedy_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, e
         for s in range(0, len(members), max(1, batch_size)):
             chunk = members[s:s + max(1, batch_size)]
             idx = torch.tensor([list(prompts[i]) for i in chunk], dtype=torch.long, device=device)
-            res = _greedy_tensor(model, idx, max_new_tokens, eos_id)
+            res = _greedy_tensor(model, idx, max_new_tokens, eos_id, sampling)
             for row, i in enumerate(chunk):
                 out[i] = _cut(res[row, length:length + max_new_tokens].tolist(), eos_id)
     return out  # type: ignore[return-value]

@@ -28,13 +28,25 @@ def _lm_eval_default_device() -> str | None:
     return next((f.default for f in dataclasses.fields(EvaluatorConfig) if f.name == "device"), None)
 
 
+def _task_names(argv: list[str]) -> list[str]:
+    for i, a in enumerate(argv):
+        if a == "--tasks" and i + 1 < len(argv):
+            return argv[i + 1].split(",")
+        if a.startswith("--tasks="):
+            return a[len("--tasks="):].split(",")
+    return []
+
+
 def run_lm_eval(argv: list[str]) -> int:
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError:
         raise UserError("archscale lm_eval needs lm-evaluation-harness: pip install 'archscale[eval]'") from None
+    from archscale.eval import ruler_offline
     from archscale.eval.lm_eval_model import ArchScaleLM  # registers the model names
 
+    if ruler_offline.wants_ruler(_task_names(argv)):  # tokenizer from our model, offline haystack
+        ruler_offline.install()
     ArchScaleLM.cli_default_device = None if _gave_flag(argv, "--device") else _lm_eval_default_device()
     saved = sys.argv
     sys.argv = ["lm_eval", *argv]

@@ -8,7 +8,7 @@
 form): pretrained=PATH (run dir, checkpoint, exported HF folder, quantized folder; `checkpoint=` is a synonym),
 config=NAME (optional, e.g. sambay_d16: checked against the checkpoint), max_length=N, batch_size=N (or lm-eval's
 --batch_size), device=cpu|cuda[:i] (or --device; default: cuda if there is one, else cpu), tokenizer=PATH,
-precision=fp32|bf16 (dtype=float32|bfloat16 also accepted).
+precision=fp32|bf16 (dtype=float32|bfloat16 also accepted), add_bos_token=True|False, max_gen_toks=N (default 256).
 
 Scoring conventions (those of lm-eval's HF model): a context's trailing whitespace moves to the continuation;
 context + continuation are encoded together and split at the context's token count; an empty context is
@@ -16,8 +16,12 @@ replaced by the EOS token (our models have no BOS; documents are separated by EO
 than `max_length` keep their last `max_length` tokens. Sequences in a batch are right-padded, which is exact for
 causal models (a position never sees later ones) and only the real positions are read.
 `loglikelihood_rolling` predicts every token of the text exactly once, in windows of `max_length` tokens, the
-first conditioned on EOS. `generate_until` decodes greedily (archscale.eval.decode) up to `max_gen_toks` and cuts
-the text at the first stop string.
+first conditioned on EOS. `generate_until` follows lm-eval's HF model: lm-eval's own generation-kwargs
+normalisation (`max_gen_toks` and its aliases, do_sample / temperature / top_k / top_p), the context left-truncated
+to `max_length - max_gen_toks` tokens (an error when nothing fits), greedy or sampled decoding
+(archscale.eval.decode), the text cut at each stop string. `add_bos_token=True` prepends the tokenizer's BOS to
+every encoding (and conditions empty contexts on it), as lm-eval does for Llama-2 tokenizers. Default max_length:
+the training length (ArchScale's harness used 4096; `archscale eval --protocol archscale` passes 4096).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from archscale.eval.decode import greedy_batch
 
 
 MODEL_ARGS = ("pretrained", "checkpoint", "config", "max_length", "batch_size", "device", "tokenizer", "precision",
-              "dtype")
+              "dtype", "add_bos_token", "max_gen_toks")
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's HF model's default generation budget
 PRECISIONS = {"fp32": "fp32", "float32": "fp32", "auto": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
 
 
@@ -62,9 +67,11 @@ class ArchScaleLM(LM):
     # The value lm-eval's command line passes as `device` when the user gave no --device (set by
     # `archscale lm_eval`): treated as "not given", so the device defaults to what exists.
     cli_default_device: str | None = None
+    active: "ArchScaleLM | None" = None  # the newest instance (RULER's synthetic tasks size prompts with its tokenizer)
 
     def __init__(self, eval_model=None, batch_size: int = 8, max_length: int | None = None, checkpoint=None,
-                 device=None, tokenizer=None, precision: str = "fp32", pretrained=None, config: str | None = None):
+                 device=None, tokenizer=None, precision: str = "fp32", pretrained=None, config: str | None = None,
+                 add_bos_token: bool = False, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS):
         super().__init__()
         if eval_model is None:
             from archscale.eval.loading import load_eval_model
@@ -83,7 +90,15 @@ class ArchScaleLM(LM):
         self.tok = eval_model.tokenizer
         self.batch_size_per_gpu = int(batch_size)
         self.max_length = int(max_length or eval_model.train_len)
+        self.max_gen_toks = int(max_gen_toks)
+        self.add_bos_token = bool(add_bos_token)
+        if self.add_bos_token and getattr(self.tok, "bos_id", None) is None:
+            from archscale.errors import UserError
+
+            raise UserError("add_bos_token=True: this tokenizer has no beginning-of-sequence token")
         self._device = eval_model.device
+        self.names = {str(x) for x in (pretrained, checkpoint, tokenizer) if x}  # how RULER tasks may name us
+        ArchScaleLM.active = self
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
@@ -109,18 +124,29 @@ class ArchScaleLM(LM):
         precision = str(kv.get("precision", kv.get("dtype", "fp32"))).lower()
         if precision not in PRECISIONS:
             raise UserError(f"--model_args precision={precision}: use fp32 or bf16")
+        bos = str(kv.get("add_bos_token", False)).lower()
+        if bos not in ("true", "false"):
+            raise UserError(f"--model_args add_bos_token={kv['add_bos_token']}: use True or False")
         return cls(pretrained=kv.get("pretrained") or kv.get("checkpoint"), tokenizer=kv.get("tokenizer"),
                    max_length=int(kv["max_length"]) if kv.get("max_length") else None,
                    precision=PRECISIONS[precision], device=kv.get("device", extra.get("device")),
-                   batch_size=int(batch), config=kv.get("config"))
+                   batch_size=int(batch), config=kv.get("config"), add_bos_token=bos == "true",
+                   max_gen_toks=int(kv.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)))
 
     # ------------------------------------------------------------------------------------------- helpers
     @property
     def eot_token_id(self) -> int:
         return self.tok.eos_id
 
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context (and the first rolling window) is conditioned on: BOS with add_bos_token, else
+        EOS (our models have no BOS; documents are separated by EOS in training)."""
+        return self.tok.bos_id if self.add_bos_token else self.tok.eos_id
+
     def tok_encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, eos=False)
+        ids = self.tok.encode(text, eos=False)
+        return [self.tok.bos_id] + ids if self.add_bos_token else ids
 
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         n_spaces = len(context) - len(context.rstrip())
@@ -128,7 +154,7 @@ class ArchScaleLM(LM):
             continuation = context[-n_spaces:] + continuation
             context = context[:-n_spaces]
         if not context:
-            return [self.eot_token_id], self.tok_encode(continuation)
+            return [self.prefix_token_id], self.tok_encode(continuation)
         whole = self.tok_encode(context + continuation)
         n_ctx = len(self.tok_encode(context))
         return whole[:n_ctx], whole[n_ctx:]
@@ -181,7 +207,7 @@ class ArchScaleLM(LM):
 
     def rolling_windows(self, ids: list[int]) -> list[tuple[list[int], int]]:
         """(tokens, n_scored) windows predicting every id once, the first conditioned on EOS."""
-        seq = [self.eot_token_id] + ids
+        seq = [self.prefix_token_id] + ids
         items, done = [], 0  # seq[1..done] scored
         while done < len(ids):
             end = min(done + self.max_length, len(ids))  # score seq[done+1 .. end]
@@ -200,32 +226,53 @@ class ArchScaleLM(LM):
             out.append(total)
         return out
 
+    def generation_settings(self, kwargs: dict | None) -> dict:
+        """lm-eval's own normalisation (max_gen_toks > max_new_tokens > max_tokens aliases; do_sample=False means
+        temperature 0) plus the HF model's checks: the context gets max_length - max_gen_toks tokens, which must
+        be at least one."""
+        from archscale.errors import UserError
+
+        try:
+            from lm_eval.models.utils import normalize_gen_kwargs
+            g = dict(normalize_gen_kwargs(dict(kwargs or {}), self.max_gen_toks))
+        except ImportError:  # pragma: no cover - without lm-eval nobody sends requests
+            g = dict(kwargs or {})
+        until = g.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_gen = int(g.pop("max_gen_toks", self.max_gen_toks))
+        if max_gen >= self.max_length:
+            raise UserError(f"generate_until: max_gen_toks {max_gen} leaves no room for a context within "
+                            f"max_length {self.max_length} (lm-eval's HF model stops here too); raise max_length")
+        sample = bool(g.get("do_sample")) and float(g.get("temperature", 1.0)) > 0.0
+        top_k = g.get("top_k")
+        top_p = g.get("top_p")
+        sampling = {"temperature": float(g.get("temperature", 1.0)), "top_k": int(top_k) if top_k else None,
+                    "top_p": float(top_p) if top_p is not None and float(top_p) < 1.0 else None} if sample else None
+        return {"until": until, "max_gen_toks": max_gen, "sampling": sampling}
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        prompts, settings = [], []
-        for req in requests:
-            context, kwargs = req.args
-            kwargs = dict(kwargs or {})
-            until = kwargs.get("until") or []
-            if isinstance(until, str):
-                until = [until]
-            max_gen = int(kwargs.get("max_gen_toks", 256))
-            ids = self.tok_encode(context) or [self.eot_token_id]
-            keep = max(1, self.max_length - max_gen)
-            prompts.append(ids[-keep:])
-            settings.append((until, max_gen))
+        """Requests grouped by their generation settings (as lm-eval's HF model does), each context left-truncated
+        to max_length - max_gen_toks tokens; greedy unless do_sample with a positive temperature, then sampled
+        with temperature / top_k / top_p from torch's global generator (lm-eval's --seed seeds it)."""
+        groups: dict[str, list[int]] = {}
+        settings = []
+        for i, req in enumerate(requests):
+            g = self.generation_settings(req.args[1])
+            settings.append(g)
+            groups.setdefault(repr(sorted(g.items(), key=lambda kv: kv[0])), []).append(i)
         out: list[str | None] = [None] * len(requests)
-        by_len: dict[int, list[int]] = {}
-        for i, (_, max_gen) in enumerate(settings):
-            by_len.setdefault(max_gen, []).append(i)
-        for max_gen, idxs in by_len.items():
+        for idxs in groups.values():
+            g = settings[idxs[0]]
+            keep = self.max_length - g["max_gen_toks"]
+            prompts = [(self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-keep:] for i in idxs]
             with self.em.autocast():
-                gens = greedy_batch(self.em.model, [prompts[i] for i in idxs], max_gen, self.eot_token_id,
-                                    self.batch_size_per_gpu)
-            for i, g in zip(idxs, gens):
-                text = self.tok.decode(g)
-                for stop in settings[i][0]:
-                    if stop and stop in text:
-                        text = text[:text.index(stop)]
+                gens = greedy_batch(self.em.model, prompts, g["max_gen_toks"], self.eot_token_id,
+                                    self.batch_size_per_gpu, sampling=g["sampling"])
+            for i, ids in zip(idxs, gens):
+                text = self.tok.decode(ids)
+                for stop in g["until"]:
+                    if stop:
+                        text = text.split(stop)[0]
                 out[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return out  # type: ignore[return-value]

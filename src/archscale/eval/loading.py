@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
@@ -23,6 +25,10 @@ class EvalModel:
     run_cfg: dict = field(default_factory=dict)
     device: torch.device = torch.device("cpu")
     precision: str = "fp32"
+    # model, inputs -> logits as the run's training validation calls it: with --varlen, documents (from EOS)
+    # mask attention and reset recurrent states (the trainer's own `make_forward`)
+    forward: Callable = field(default=lambda model, x: model(x))
+    masking: str = "none"  # "none" or "documents (eos_id N)"
 
     def autocast(self):
         if self.precision == "bf16":
@@ -46,9 +52,31 @@ def load_eval_model(checkpoint: str | Path, device: str | torch.device | None = 
         if need_tokenizer or tokenizer or "tokenizer" not in str(e):
             raise
         run = load_run(checkpoint, device=device, tokenizer=False)
+    forward, masking = validation_forward(run.run_config, run.run_dir)
     return EvalModel(model=run.model, tokenizer=run.tokenizer, train_len=run.model_config.block_size,
                      step_dir=run.step_dir, run_dir=run.run_dir, run_cfg=run.run_config, device=run.device,
-                     precision=precision)
+                     precision=precision, forward=forward, masking=masking)
+
+
+def validation_forward(run_cfg: dict, run_dir: Path | None) -> tuple[Callable, str]:
+    """The forward the trainer validated this run with (`train.trainer.make_forward` on the saved settings):
+    document-masked for a --varlen run (EOS id from the training data's manifest, else --eos_id), plain
+    otherwise. Returns (forward, a description for the results)."""
+    from archscale.data.loader import read_manifest
+    from archscale.train.trainer import make_forward
+
+    pre = run_cfg.get("pretrain") or {}
+    if not pre.get("varlen"):
+        return (lambda model, x: model(x)), "none"
+    data = find_run_path(run_dir, pre["train_data_dir"]) if pre.get("train_data_dir") else None
+    eos_id = (read_manifest(data) or {}).get("eos_id") if data is not None and data.is_dir() else None
+    eos_id = eos_id if eos_id is not None else pre.get("eos_id")
+    if eos_id is None:
+        raise UserError("this --varlen run's documents end at an EOS id that neither its training data's "
+                        "manifest.json (not found here) nor its config records; cannot mask documents as it "
+                        "was validated")
+    settings = SimpleNamespace(varlen=True, reset_position_ids=bool(pre.get("reset_position_ids")))
+    return make_forward(settings, int(eos_id)), f"documents (eos_id {int(eos_id)})"
 
 
 def validation_dir(em: EvalModel, override: str | None = None) -> Path:

@@ -1,9 +1,22 @@
-"""An offline full-name generator for the Phonebook task (ArchScale uses the `names` package; these lists need
-no download). Common English-language first and last names; `full_name(rng)` draws "First Last" uniformly."""
+"""Full-name generators for the Phonebook task.
+
+* `full_name(rng)`: our offline lists (common English-language first and last names, drawn uniformly).
+* `names_package_full_name(rng)`: ArchScale's generator, the PyPI package `names` (0.3.0, the US Census 1990 name
+  frequency lists it ships), reimplemented to draw from a given `random.Random` instead of the global one: the
+  same calls in the same order as `names.get_full_name()` (gender = choice(("male", "female")); a first name, then
+  a last name, each the first line of its list whose cumulative frequency exceeds random() * 90), so a book built
+  from `random.Random(s)` is the book ArchScale's `eval_phonebook.py` builds after `random.seed(s)`. It reads the
+  package's own data files: `pip install names` (in archscale's `eval` extra).
+"""
 
 from __future__ import annotations
 
+import bisect
 import random
+from functools import lru_cache
+from pathlib import Path
+
+from archscale.errors import UserError
 
 FIRST_NAMES = """
 James Mary Robert Patricia John Jennifer Michael Linda David Elizabeth William Barbara Richard Susan Joseph Jessica
@@ -39,3 +52,44 @@ def full_name(rng: random.Random) -> str:
 def capacity() -> int:
     """How many distinct full names the lists can make."""
     return len(set(FIRST_NAMES)) * len(set(LAST_NAMES))
+
+
+@lru_cache(maxsize=1)
+def _names_package_lists() -> dict[str, tuple[list[str], list[float]]]:
+    try:
+        import names
+    except ImportError:
+        raise UserError("ArchScale's Phonebook names come from the `names` package: pip install names (or "
+                        "'archscale[eval]')") from None
+    folder = Path(names.__file__).parent
+    out = {}
+    for key, fname in (("male", "dist.male.first"), ("female", "dist.female.first"), ("last", "dist.all.last")):
+        words, cumulative = [], []
+        for line in (folder / fname).read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4:
+                words.append(parts[0])
+                cumulative.append(float(parts[2]))
+        out[key] = (words, cumulative)
+    return out
+
+
+def _pick(table: tuple[list[str], list[float]], selected: float) -> str:
+    words, cumulative = table
+    i = bisect.bisect_right(cumulative, selected)  # the first line whose cumulative frequency > selected
+    return words[i] if i < len(words) else ""
+
+
+def names_package_full_name(rng: random.Random) -> str:
+    lists = _names_package_lists()
+    gender = rng.choice(("male", "female"))
+    first = _pick(lists[gender], rng.random() * 90).capitalize()
+    return f"{first} {_pick(lists['last'], rng.random() * 90).capitalize()}"
+
+
+def names_package_available() -> bool:
+    try:
+        _names_package_lists()
+    except UserError:
+        return False
+    return True

@@ -19,7 +19,8 @@ As RULER (NVIDIA/RULER, and its port in lm-eval's `ruler` tasks) defines them:
 Offline differences (documented in docs/EVALUATION.md): RULER's essay haystack is Paul Graham's essays, a
 download; ours is John Milton's *Areopagitica* (1644, public domain, shipped in `archscale/eval/data/`), repeated
 when a length needs more words than it has, or any text file given with `--haystack_file`. Sentences are split
-with a regex instead of NLTK punkt, keys come from our own adjective/noun lists instead of `wonderwords`, and
+with a regex instead of NLTK punkt, keys come from our own adjective/noun lists (`keys="offline"`) or, with
+`keys="wonderwords"` (--niah_keys), from RULER's `wonderwords` vocabulary, and
 below 4096 tokens the essay step is max(10, length // 8) words instead of 500 (so a 256-token model still gets a
 haystack).
 """
@@ -30,6 +31,7 @@ import math
 import random
 import re
 import uuid
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -77,6 +79,40 @@ wagon walnut whistle window wizard yacht
 
 WORDS = sorted({f"{a}-{n}" for a in ADJECTIVES for n in NOUNS})
 
+
+class PairWords(Sequence):
+    """Every "adjective-noun" pair as a lazy sequence (RULER's list has ~6 million entries: building it takes
+    seconds, drawing an index from this one is the same uniform choice)."""
+
+    def __init__(self, adjectives, nouns):
+        self.adjectives, self.nouns = sorted(set(adjectives)), sorted(set(nouns))
+
+    def __len__(self) -> int:
+        return len(self.adjectives) * len(self.nouns)
+
+    def __getitem__(self, i):
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        a, n = divmod(i, len(self.nouns))
+        return f"{self.adjectives[a]}-{self.nouns[n]}"
+
+
+@lru_cache(maxsize=1)
+def ruler_words() -> PairWords:
+    """RULER's key vocabulary: "adjective-noun" over the `wonderwords` package's adjective and noun lists (as
+    lm-eval's ruler/prepare_niah.py builds its WORDS)."""
+    try:
+        import wonderwords
+    except ImportError:
+        raise UserError("RULER's NIAH keys come from the `wonderwords` package: pip install wonderwords (or "
+                        "'archscale[eval]')") from None
+    cats = wonderwords.RandomWord()._categories
+    return PairWords(cats["adjectives"], cats["nouns"])
+
+
+def key_words(source: str):
+    return ruler_words() if source == "wonderwords" else WORDS
+
 DATA_DIR = Path(__file__).parent / "data"
 DEFAULT_ESSAY = DATA_DIR / "areopagitica.txt"
 
@@ -108,21 +144,21 @@ def split_sentences(text: str) -> list[str]:
     return out
 
 
-def random_value(rng: random.Random, kind: str) -> str:
+def random_value(rng: random.Random, kind: str, words: list[str] = WORDS) -> str:
     if kind == "numbers":
         return str(rng.randint(10 ** 6, 10 ** 7 - 1))
     if kind == "words":
-        return rng.choice(WORDS)
+        return rng.choice(words)
     if kind == "uuids":
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
     raise ValueError(kind)
 
 
 def make_input(rng: random.Random, num_haystack: int, type_haystack: str, type_needle_k: str, type_needle_v: str,
-               essay: tuple[str, ...] = ()) -> tuple[str, list[str], str]:
+               essay: tuple[str, ...] = (), words: list[str] = WORDS) -> tuple[str, list[str], str]:
     """(input text, [answer], query key) with `num_haystack` haystack units (lines or essay words)."""
-    key = random_value(rng, type_needle_k)
-    value = random_value(rng, type_needle_v)
+    key = random_value(rng, type_needle_k, words)
+    value = random_value(rng, type_needle_v, words)
     needle = NEEDLE.format(type_needle_v=type_needle_v, key=key, value=value)
     if type_haystack == "essay":
         reps = math.ceil(num_haystack / len(essay))
@@ -145,11 +181,14 @@ def answer_prefix(type_needle_v: str, query: str) -> str:
 
 
 def build_samples(task: str, max_seq_length: int, num_samples: int, count_tokens, seed: int = 42,
-                  haystack_file: str | None = None, tokens_to_generate: int = TOKENS_TO_GENERATE) -> list[dict]:
-    """RULER's samples for one task and length; `count_tokens(text) -> int` with the model's tokenizer."""
+                  haystack_file: str | None = None, tokens_to_generate: int = TOKENS_TO_GENERATE,
+                  keys: str = "offline") -> list[dict]:
+    """RULER's samples for one task and length; `count_tokens(text) -> int` with the model's tokenizer; `keys`:
+    "offline" (our word lists) or "wonderwords" (RULER's)."""
     if task not in TASKS:
         raise UserError(f"unknown NIAH task {task!r}; choose one of {', '.join(TASKS)}")
     type_haystack, type_k, type_v = TASKS[task]
+    words = key_words(keys)
     essay = essay_words(haystack_file) if type_haystack == "essay" else ()
     if type_haystack == "essay":
         incremental = 500 if max_seq_length >= 4096 else max(10, max_seq_length // 8)
@@ -159,7 +198,7 @@ def build_samples(task: str, max_seq_length: int, num_samples: int, count_tokens
     sizing = random.Random(seed * 1_000_003 + max_seq_length)
     num_haystack = incremental
     while True:  # grow until the prompt + generation would pass the length
-        text, answer, _ = make_input(sizing, num_haystack, type_haystack, type_k, type_v, essay)
+        text, answer, _ = make_input(sizing, num_haystack, type_haystack, type_k, type_v, essay, words)
         total = count_tokens(text + " ".join(answer))
         if total + tokens_to_generate > max_seq_length:
             num_haystack -= incremental
@@ -175,7 +214,7 @@ def build_samples(task: str, max_seq_length: int, num_samples: int, count_tokens
         used = num_haystack
         while True:
             state = rng.getstate()
-            text, answer, key = make_input(rng, used, type_haystack, type_k, type_v, essay)
+            text, answer, key = make_input(rng, used, type_haystack, type_k, type_v, essay, words)
             length = count_tokens(text) + tokens_to_generate
             if length <= max_seq_length or used <= 1:
                 break
@@ -183,7 +222,7 @@ def build_samples(task: str, max_seq_length: int, num_samples: int, count_tokens
             used = max(1, used - incremental)
         prefix = answer_prefix(type_v, key)
         samples.append({"index": index, "input": text, "prompt": text + " " + prefix, "outputs": answer,
-                        "length": length, "max_length": max_seq_length, "haystack_units": used})
+                        "length": length, "max_length": max_seq_length, "haystack_units": used, "keys": keys})
     return samples
 
 
@@ -197,11 +236,12 @@ def string_match_all(preds: list[str], refs: list[list[str]]) -> float:
 
 
 def plan_niah(task: str, lengths: list[int], num_samples: int, count_tokens, seed: int = 42,
-              haystack_file: str | None = None, tokens_to_generate: int = TOKENS_TO_GENERATE) -> dict:
+              haystack_file: str | None = None, tokens_to_generate: int = TOKENS_TO_GENERATE,
+              keys: str = "offline") -> dict:
     if not lengths or any(n <= tokens_to_generate for n in lengths):
         raise UserError(f"{task}: --max_seq_lengths must each exceed the {tokens_to_generate} generated tokens, "
                         f"got {lengths}")
-    return {n: build_samples(task, n, num_samples, count_tokens, seed, haystack_file, tokens_to_generate)
+    return {n: build_samples(task, n, num_samples, count_tokens, seed, haystack_file, tokens_to_generate, keys)
             for n in lengths}
 
 
@@ -227,4 +267,5 @@ def evaluate_niah(task: str, generator, lengths: list[int], num_samples: int, co
     type_haystack, _, type_v = TASKS[task]
     return {"metric": "string_match_all", "unit": "tokens", "haystack": type_haystack,
             "haystack_file": str(haystack_file or DEFAULT_ESSAY) if type_haystack == "essay" else None,
-            "needle_value": type_v, "tokens_to_generate": tokens_to_generate, "seed": seed, "lengths": results}
+            "needle_value": type_v, "keys": plan[lengths[0]][0].get("keys", "offline") if plan[lengths[0]] else None,
+            "tokens_to_generate": tokens_to_generate, "seed": seed, "lengths": results}

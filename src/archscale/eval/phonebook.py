@@ -9,6 +9,18 @@ distinct); the label is `phone_c`, a 10-digit number whose first digit is 6-9. N
 `archscale.eval.names` (distinct within one book, so the answer is unambiguous). The model decodes greedily up to
 20 new tokens; the prediction is the first generated line, stripped; the metric is exact string match.
 
+Two styles of book and scoring:
+
+* "native" (above): our offline names, distinct in a book; the phone number one randint; lenient scoring (the
+  text is stripped before its first line is taken, and generation is cut at EOS, so a leading newline or a
+  number followed by EOS still counts).
+* "archscale" (`eval_phonebook.py` at ArchScale's commit 1fbcceb): names from the `names` package
+  (`names.names_package_full_name`), repeats allowed as there; the number digit by digit (randint(6, 9), then
+  nine randint(0, 9)); strict scoring: the first line of the raw decoded text, stripped, where a generated EOS
+  stays in the text (ArchScale decodes without skipping special tokens), so "\n6123456789" and
+  "6123456789<eos>" are wrong. With the `offline` name source (the `names` package missing, --protocol
+  archscale only) the books use our lists and are not ArchScale's.
+
 For each length `n` in range(min_len, max_len + 1, step): 4 measurements jj = 0..3, each `num_batches // 4`
 batches ii of `batch_size` samples, batch (jj, ii) built from `random.Random(int(f"{seed}{jj}{n}{ii}"))` as the
 seed does; the result is the mean and (population) std of the 4 measurement accuracies.
@@ -24,6 +36,7 @@ from archscale.eval.names import capacity, full_name
 
 MAX_NEW_TOKENS = 20
 MEASUREMENTS = 4
+EOS_MARK = "<eos>"  # what a strict-scoring generator appends where the model generated EOS
 
 
 def phone_number(rng: random.Random) -> str:
@@ -50,13 +63,37 @@ def make_sample(n_entries: int, rng: random.Random) -> dict:
     return {"prompt": prompt, "label": entries[c].split(": ")[1], "name": names[c], "entries": n_entries}
 
 
-def make_batch(seed: int, measurement: int, n_entries: int, batch: int, batch_size: int) -> list[dict]:
+def make_archscale_sample(n_entries: int, rng: random.Random, name_source: str = "names") -> dict:
+    """ArchScale's PhoneBookDataset.rand_num(n_entries) with its global `random` replaced by `rng`."""
+    from archscale.eval.names import full_name, names_package_full_name
+
+    if n_entries < 3:
+        raise UserError(f"phonebook needs at least 3 entries per book (two few-shot + one query), got {n_entries}")
+    draw = names_package_full_name if name_source == "names" else full_name
+    entries = []
+    for _ in range(n_entries):
+        name = draw(rng)
+        phone = str(rng.randint(6, 9)) + "".join(str(rng.randint(0, 9)) for _ in range(9))
+        entries.append(f"{name}: {phone}")
+    a, b, c = rng.sample(list(range(n_entries)), 3)
+    query = entries[c].split(":")[0] + ":"
+    prompt = "\n".join(entries) + "\n\n" + entries[a] + "\n" + entries[b] + "\n\n" + query
+    return {"prompt": prompt, "label": entries[c].split(":")[1].strip(), "name": query[:-1], "entries": n_entries}
+
+
+def make_batch(seed: int, measurement: int, n_entries: int, batch: int, batch_size: int,
+               style: str = "native", name_source: str = "names") -> list[dict]:
     rng = random.Random(int(f"{seed}{measurement}{n_entries}{batch}"))
+    if style == "archscale":
+        return [make_archscale_sample(n_entries, rng, name_source) for _ in range(batch_size)]
     return [make_sample(n_entries, rng) for _ in range(batch_size)]
 
 
-def extract_prediction(generated: str) -> str:
-    return generated.strip().split("\n")[0].strip()
+def extract_prediction(generated: str, scoring: str = "lenient") -> str:
+    """lenient: strip, then the first line; strict (ArchScale's): the first line, then strip."""
+    if scoring == "strict":
+        return generated.split("\n")[0].strip()
+    return generated.replace(EOS_MARK, "").strip().split("\n")[0].strip()
 
 
 def lengths_from(min_len: int, max_len: int, step: int) -> list[int]:
@@ -66,13 +103,18 @@ def lengths_from(min_len: int, max_len: int, step: int) -> list[int]:
     return list(range(min_len, max_len + 1, step))
 
 
-def plan_phonebook(lengths: list[int], seed: int = 42, num_batches: int = 4, batch_size: int = 10) -> dict:
+def plan_phonebook(lengths: list[int], seed: int = 42, num_batches: int = 4, batch_size: int = 10,
+                   style: str = "native", name_source: str = "names") -> dict:
     """The samples: {"lengths": [...], "samples": {n: [measurement 0 samples, ..., measurement 3 samples]}}."""
     per_measurement = max(1, num_batches // MEASUREMENTS)
-    samples = {n: [[s for ii in range(per_measurement) for s in make_batch(seed, jj, n, ii, batch_size)]
+    samples = {n: [[s for ii in range(per_measurement)
+                    for s in make_batch(seed, jj, n, ii, batch_size, style, name_source)]
                    for jj in range(MEASUREMENTS)] for n in lengths}
+    names = ("names package" if name_source == "names" else "offline lists") if style == "archscale" else \
+        "offline lists (distinct)"
     return {"lengths": list(lengths), "samples": samples, "seed": seed, "per_measurement": per_measurement,
-            "batch_size": batch_size}
+            "batch_size": batch_size, "style": style, "names": names,
+            "scoring": "strict" if style == "archscale" else "lenient"}
 
 
 def prompts_of(plan: dict) -> list[str]:
@@ -85,6 +127,9 @@ def evaluate_phonebook(generator, lengths: list[int], seed: int = 42, num_batche
     `check(prompts, max_new_tokens, what)` raising UserError when a prompt is too long for the model."""
     plan = plan or plan_phonebook(lengths, seed, num_batches, batch_size)
     lengths, per_measurement = plan["lengths"], plan["per_measurement"]
+    scoring = plan.get("scoring", "lenient")
+    info = {k: plan[k] for k in ("style", "names", "scoring") if k in plan}
+    seed, batch_size = plan["seed"], plan["batch_size"]
     check = getattr(generator, "check", None)
     if check is not None:  # fail on the longest prompts before spending time on the short ones
         check(prompts_of(plan), MAX_NEW_TOKENS, "phonebook")
@@ -92,18 +137,20 @@ def evaluate_phonebook(generator, lengths: list[int], seed: int = 42, num_batche
     results = {}
     for n in lengths:
         samples = [s for m in plan[n] for s in m]
-        outputs = generator([s["prompt"] for s in samples], MAX_NEW_TOKENS)
+        prompts = [s["prompt"] for s in samples]
+        outputs = generator(prompts, MAX_NEW_TOKENS, mark_eos=True) if scoring == "strict" else \
+            generator(prompts, MAX_NEW_TOKENS)
         k = 0
         accs = []
         for m in plan[n]:
             correct = 0
             for s in m:
-                correct += int(extract_prediction(outputs[k]) == s["label"])
+                correct += int(extract_prediction(outputs[k], scoring) == s["label"])
                 k += 1
             accs.append(correct / len(m))
         results[str(n)] = {"mean": statistics.fmean(accs), "std": statistics.pstdev(accs), "measurements": accs,
-                           "samples": len(samples), "example_prediction": extract_prediction(outputs[0]),
+                           "samples": len(samples), "example_prediction": extract_prediction(outputs[0], scoring),
                            "example_label": samples[0]["label"]}
     return {"metric": "exact_match", "unit": "entries", "measurements": MEASUREMENTS,
             "batches_per_measurement": per_measurement, "batch_size": batch_size, "seed": seed,
-            "max_new_tokens": MAX_NEW_TOKENS, "lengths": results}
+            "max_new_tokens": MAX_NEW_TOKENS, **info, "lengths": results}

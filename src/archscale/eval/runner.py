@@ -3,8 +3,11 @@
 Context limits: `limit` (the longest sequence any task may feed the model) is `--max_length` when given, else
 4x the training length (ArchScale's extrapolation range), and never more than a hard limit the model declares
 (`model.max_context_length` or `config.max_seq_length`, if present). A task that needs more stops with a
-one-line error before any work. lm-eval tasks read at most `--max_length` tokens (default: the training length),
-keeping the last ones, as lm-eval's own models do.
+one-line error before any work. lm-eval tasks read at most `--max_length` tokens (default: the training length;
+4096 under --protocol archscale), keeping the last ones, as lm-eval's own models do.
+
+`--protocol` (eval/protocol.py) fills every flag left unset with archscale's or ArchScale's settings; `run` resolves
+them, plans every task (so a bad setting fails before any work), runs the built-in tasks, then lm-eval's.
 """
 
 from __future__ import annotations
@@ -77,15 +80,19 @@ class ModelTextGenerator:
                             f"{self.limit} tokens allowed ({self.limit_why}); use shorter lengths or raise "
                             f"--max_length")
 
-    def __call__(self, prompts: list[str], max_new_tokens: int) -> list[str]:
+    def __call__(self, prompts: list[str], max_new_tokens: int, mark_eos: bool = False) -> list[str]:
+        """Continuations cut before EOS; with `mark_eos` a generated EOS is kept as phonebook.EOS_MARK (a
+        continuation shorter than `max_new_tokens` ended at EOS), as a decoder that keeps special tokens shows it."""
         from archscale.eval.decode import greedy_batch
+        from archscale.eval.phonebook import EOS_MARK
 
         ids = [self.encode(p) for p in prompts]
         with self.em.autocast():
             outs = greedy_batch(self.em.model, ids, max_new_tokens, self.em.tokenizer.eos_id, self.batch_size)
         for p in prompts:
             self._cache.pop(p, None)
-        return [self.em.tokenizer.decode(o) for o in outs]
+        return [self.em.tokenizer.decode(o) + (EOS_MARK if mark_eos and len(o) < max_new_tokens else "")
+                for o in outs]
 
 
 def default_lm_eval_include() -> list[str]:
@@ -95,7 +102,9 @@ def default_lm_eval_include() -> list[str]:
 
 
 def run_lm_eval(em, tasks: list[str], include: list[str], batch_size: int, max_length: int, limit: float | None,
-                num_fewshot: int | None, seed: int) -> dict:
+                num_fewshot: int | None, seed: int, metadata: dict | None = None) -> dict:
+    """lm-eval's `simple_evaluate` on our model; `metadata` reaches the tasks as lm-eval's --metadata does (RULER:
+    max_seq_lengths); RULER's tasks size prompts with our tokenizer and run offline (eval/ruler_offline.py)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -111,16 +120,24 @@ def run_lm_eval(em, tasks: list[str], include: list[str], batch_size: int, max_l
     for d in include:
         if not Path(d).is_dir():
             raise UserError(f"--lm_eval_include {d}: no such folder")
+    from archscale.eval import ruler_offline
+
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
-    tm = TaskManager(include_path=include or None, include_defaults=False)
+    metadata = dict(metadata or {})
+    if ruler_offline.wants_ruler(tasks):  # index lm-eval's RULER folder alone, not its ~12,000-file catalogue
+        include = [*include, str(ruler_offline.ruler_folder())]
+    tm = TaskManager(include_path=include or None, include_defaults=False, metadata=metadata)
     missing = [t for t in tasks if t not in tm.all_tasks]
     if missing:  # the built-in catalogue takes seconds to index; only when a task is not local
-        tm = TaskManager(include_path=include or None)
+        tm = TaskManager(include_path=include or None, metadata=metadata)
         missing = [t for t in tasks if t not in tm.all_tasks]
     if missing:
         raise UserError(f"--tasks: unknown lm-eval task(s) {', '.join(missing)} (looked in lm-eval's catalogue and "
                         f"{', '.join(include) or 'no --lm_eval_include folder'})")
     lm = ArchScaleLM(em, batch_size=batch_size, max_length=max_length)
+    if ruler_offline.wants_ruler(tasks):
+        ruler_offline.install()
+    notes_before = len(ruler_offline.NOTES)
     try:
         res = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, limit=limit, num_fewshot=num_fewshot,
                                       log_samples=False, bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
@@ -128,6 +145,8 @@ def run_lm_eval(em, tasks: list[str], include: list[str], batch_size: int, max_l
     except (ConnectionError, OSError) as e:
         raise UserError(f"lm-eval could not load a task's data offline ({str(e).splitlines()[0][:200]}); "
                         "use local tasks (--lm_eval_include DIR)") from None
+    except ValueError as e:  # e.g. RULER: "Could not generate any sample ... Raise `max_seq_lengths`"
+        raise UserError(f"lm-eval: {(str(e).splitlines() or [type(e).__name__])[0][:300]}") from None
     out = {}
     for name, metrics in (res or {}).get("results", {}).items():
         clean = {}
@@ -138,36 +157,151 @@ def run_lm_eval(em, tasks: list[str], include: list[str], batch_size: int, max_l
         out[name] = clean
     return {"tasks": out, "versions": {k: v for k, v in (res or {}).get("versions", {}).items()},
             "n_samples": (res or {}).get("n-samples", {}), "max_length": max_length, "limit": limit,
-            "num_fewshot": num_fewshot, "lm_eval_version": getattr(lm_eval, "__version__", None)}
+            "num_fewshot": num_fewshot, "metadata": metadata, "notes": ruler_offline.NOTES[notes_before:],
+            "lm_eval_version": getattr(lm_eval, "__version__", None)}
+
+
+def check_output_path(path: str) -> Path:
+    from archscale.outputs import writable_file
+
+    out_path = Path(path)
+    if out_path.exists() and out_path.is_dir():
+        raise UserError(f"--output {path} is a folder; give a .json file path")
+    writable_file(out_path, "--output")  # before the evaluation, not after it
+    return out_path
+
+
+def context_limit(em, max_length: int | None) -> tuple[int, str]:
+    """The longest sequence a built-in task may feed the model, and why (for error messages)."""
+    T = em.train_len
+    hard = hard_context_limit(em.model)
+    if max_length is not None:
+        if max_length < 2:
+            raise UserError(f"--max_length must be at least 2, got {max_length}")
+        limit, why = max_length, "--max_length"
+    else:
+        limit, why = DEFAULT_EXTRAPOLATION_LIMIT * T, f"default {DEFAULT_EXTRAPOLATION_LIMIT}x the training length {T}"
+    if hard is not None and limit > hard:
+        if max_length is not None:
+            raise UserError(f"--max_length {max_length} is longer than the model supports ({hard} tokens)")
+        limit, why = hard, "the model's maximum context"
+    return limit, why
+
+
+def plan_builtin(args, st: dict, em, gen: ModelTextGenerator, builtin: list[str]) -> dict:
+    """Check every built-in task's settings and build its samples before running any (a bad flag should not
+    cost the first tasks' time). `st`: the protocol's resolved settings."""
+    from archscale.eval.loading import validation_dir
+
+    T, limit, why = em.train_len, gen.limit, gen.limit_why
+    plans: dict = {}
+    if "ppl" in builtin:
+        factors = sorted({int(x) for x in str(st["extrapolation"]).split(",") if x.strip()})
+        if not factors or factors[0] < 1:
+            raise UserError(f"--extrapolation needs positive integers, got {st['extrapolation']!r}")
+        if factors[-1] * T > limit:
+            raise UserError(f"--extrapolation {factors[-1]}x = {factors[-1] * T} tokens is longer than the {limit} "
+                            f"tokens allowed ({why}); raise --max_length")
+        window = args.window or T
+        if args.ppl_file and window > limit:
+            raise UserError(f"--window {window} is longer than the {limit} tokens allowed ({why})")
+        plans["ppl"] = {"factors": factors, "window": window, "val_dir": validation_dir(em, args.val_data_dir)}
+    if "phonebook" in builtin:
+        from archscale.eval.phonebook import MAX_NEW_TOKENS, lengths_from, plan_phonebook, prompts_of
+
+        plans["phonebook"] = plan_phonebook(lengths_from(st["min_eval_len"], st["max_eval_len"], st["eval_len_step"]),
+                                            args.seed, st["eval_num_batches"], st["phonebook_batch_size"],
+                                            st["phonebook_style"], st["phonebook_names"])
+        gen.check(prompts_of(plans["phonebook"]), MAX_NEW_TOKENS, "phonebook")
+    lengths = [int(x) for x in str(st["max_seq_lengths"]).split(",") if x.strip()]
+    for task in [t for t in builtin if t.startswith("niah_")]:
+        from archscale.eval.niah import TOKENS_TO_GENERATE, plan_niah
+
+        plans[task] = plan_niah(task, lengths, st["niah_samples"], lambda s: len(gen.encode(s)), args.seed,
+                                args.haystack_file, keys=st["niah_keys"])
+        gen.check([s["prompt"] for v in plans[task].values() for s in v], TOKENS_TO_GENERATE, task)
+    return plans
+
+
+def run_builtin(args, st: dict, em, gen: ModelTextGenerator, plans: dict, timed) -> None:
+    if "ppl" in plans:
+        from archscale.eval.ppl import sliding_window_ppl, validation_extrapolation
+
+        p = plans["ppl"]
+
+        def ppl():
+            r = {"validation": validation_extrapolation(em, p["val_dir"], p["factors"], args.batch_size,
+                                                        args.ppl_max_batches, st["ppl_selection"]),
+                 "val_data_dir": str(p["val_dir"])}
+            if args.ppl_file:
+                stride = args.stride or max(1, p["window"] // 2)
+                r["file"] = sliding_window_ppl(em, args.ppl_file, p["window"], stride, args.batch_size)
+            return r
+        timed("ppl", ppl)
+    if "phonebook" in plans:
+        from archscale.eval.phonebook import evaluate_phonebook
+
+        timed("phonebook", lambda: evaluate_phonebook(gen, [], plan=plans["phonebook"]))
+    for task in [t for t in plans if t.startswith("niah_")]:
+        from archscale.eval.niah import evaluate_niah
+
+        timed(task, lambda task=task: evaluate_niah(task, gen, [], 0, None, args.seed, args.haystack_file,
+                                                    plan=plans[task]))
+
+
+def lm_eval_metadata(args, st: dict) -> dict:
+    """--lm_eval_metadata (JSON object), with RULER's `max_seq_lengths` from --max_seq_lengths when given."""
+    meta: dict = {}
+    if args.lm_eval_metadata:
+        try:
+            meta = json.loads(args.lm_eval_metadata)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--lm_eval_metadata: not JSON ({e})") from None
+        if not isinstance(meta, dict):
+            raise UserError("--lm_eval_metadata must be a JSON object, e.g. '{\"max_seq_lengths\":[4096]}'")
+    if "max_seq_lengths" not in meta and (args.max_seq_lengths or args.protocol != "native"):
+        meta["max_seq_lengths"] = [int(x) for x in str(st["max_seq_lengths"]).split(",") if x.strip()]
+    return meta
+
+
+def result_document(args, em, st: dict, notes: list[str], limit: int, results: dict, timings: dict) -> dict:
+    plan = em.run_cfg.get("plan") or {}
+    return {
+        "checkpoint": str(em.step_dir.resolve()) if em.step_dir else None,
+        "run_dir": str(em.run_dir.resolve()) if em.run_dir else None,
+        "run_name": plan.get("run_name") or (em.run_dir.name if em.run_dir else None),
+        "step": em.step,
+        "tokens_trained": plan.get("total_tokens"),
+        "model": em.run_cfg.get("model"),
+        "train_length": em.train_len,
+        "tokenizer": getattr(em.tokenizer, "path", None),
+        "context_limit": limit,
+        "protocol": st["protocol"],
+        "settings": {**vars(args), **st},
+        "notes": notes,
+        "results": results,
+        "time_s": timings,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": {"python": platform.python_version(), "device": str(em.device), "precision": em.precision},
+    }
 
 
 def run(args) -> dict:
     """Evaluate; `args` is the parsed `archscale eval` namespace. Returns the JSON document (also written)."""
-    from archscale.eval.loading import load_eval_model, validation_dir
+    from archscale.eval.loading import load_eval_model
+    from archscale.eval.protocol import resolve
 
     builtin, lm_tasks = parse_tasks(args.tasks)
-    from archscale.outputs import writable_file
-
-    out_path = Path(args.output)
-    if out_path.exists() and out_path.is_dir():
-        raise UserError(f"--output {args.output} is a folder; give a .json file path")
-    writable_file(out_path, "--output")  # before the evaluation, not after it
+    out_path = check_output_path(args.output)
     # perplexity on validation shards reads token ids: it needs no tokenizer (foreign shards have none)
     needs_tokenizer = bool(lm_tasks) or any(t != "ppl" for t in builtin) or bool(args.ppl_file)
     em = load_eval_model(args.checkpoint, device=args.device, tokenizer=args.tokenizer, precision=args.precision,
                          need_tokenizer=needs_tokenizer)
-    T = em.train_len
-    hard = hard_context_limit(em.model)
-    if args.max_length is not None:
-        if args.max_length < 2:
-            raise UserError(f"--max_length must be at least 2, got {args.max_length}")
-        limit, why = args.max_length, "--max_length"
-    else:
-        limit, why = DEFAULT_EXTRAPOLATION_LIMIT * T, f"default {DEFAULT_EXTRAPOLATION_LIMIT}x the training length {T}"
-    if hard is not None and limit > hard:
-        if args.max_length is not None:
-            raise UserError(f"--max_length {args.max_length} is longer than the model supports ({hard} tokens)")
-        limit, why = hard, "the model's maximum context"
+    varlen = bool((em.run_cfg.get("pretrain") or {}).get("varlen"))
+    st, notes = resolve(args, em.train_len, varlen, set(builtin))
+    for note in notes:
+        print(f"eval: note: {note}", file=sys.stderr, flush=True)
+    limit, why = context_limit(em, args.max_length)
     gen = ModelTextGenerator(em, args.batch_size, limit, why)
     results: dict = {}
     timings: dict = {}
@@ -178,75 +312,16 @@ def run(args) -> dict:
         results[name] = fn()
         timings[name] = round(time.perf_counter() - t0, 2)
 
-    # validate every task's settings before running any (a bad flag should not cost the first tasks' time)
-    factors = sorted({int(x) for x in str(args.extrapolation).split(",") if x.strip()}) if "ppl" in builtin else []
-    if "ppl" in builtin:
-        if not factors or factors[0] < 1:
-            raise UserError(f"--extrapolation needs positive integers, got {args.extrapolation!r}")
-        if factors[-1] * T > limit:
-            raise UserError(f"--extrapolation {factors[-1]}x = {factors[-1] * T} tokens is longer than the {limit} "
-                            f"tokens allowed ({why}); raise --max_length")
-        window = args.window or T
-        if args.ppl_file and window > limit:
-            raise UserError(f"--window {window} is longer than the {limit} tokens allowed ({why})")
-        val_dir = validation_dir(em, args.val_data_dir)
-    niah_lengths = [int(x) for x in str(args.max_seq_lengths).split(",") if x.strip()] if args.max_seq_lengths else [T]
-    plans = {}
-    if "phonebook" in builtin:
-        from archscale.eval.phonebook import MAX_NEW_TOKENS, lengths_from, plan_phonebook, prompts_of
-
-        plans["phonebook"] = plan_phonebook(lengths_from(args.min_eval_len, args.max_eval_len, args.eval_len_step),
-                                            args.seed, args.eval_num_batches, args.phonebook_batch_size)
-        gen.check(prompts_of(plans["phonebook"]), MAX_NEW_TOKENS, "phonebook")
-    for task in [t for t in builtin if t.startswith("niah_")]:
-        from archscale.eval.niah import TOKENS_TO_GENERATE, plan_niah
-
-        plans[task] = plan_niah(task, niah_lengths, args.niah_samples, lambda s: len(gen.encode(s)), args.seed,
-                                args.haystack_file)
-        gen.check([s["prompt"] for v in plans[task].values() for s in v], TOKENS_TO_GENERATE, task)
-
-    if "ppl" in builtin:
-        from archscale.eval.ppl import sliding_window_ppl, validation_extrapolation
-
-        def ppl():
-            r = {"validation": validation_extrapolation(em, val_dir, factors, args.batch_size, args.ppl_max_batches),
-                 "val_data_dir": str(val_dir)}
-            if args.ppl_file:
-                stride = args.stride or max(1, window // 2)
-                r["file"] = sliding_window_ppl(em, args.ppl_file, window, stride, args.batch_size)
-            return r
-        timed("ppl", ppl)
-    if "phonebook" in builtin:
-        from archscale.eval.phonebook import evaluate_phonebook
-
-        timed("phonebook", lambda: evaluate_phonebook(gen, [], plan=plans["phonebook"]))
-    for task in [t for t in builtin if t.startswith("niah_")]:
-        from archscale.eval.niah import evaluate_niah
-
-        timed(task, lambda task=task: evaluate_niah(task, gen, [], 0, None, args.seed, args.haystack_file,
-                                                    plan=plans[task]))
+    plans = plan_builtin(args, st, em, gen, builtin)
+    meta = lm_eval_metadata(args, st) if lm_tasks else {}
+    run_builtin(args, st, em, gen, plans, timed)
     if lm_tasks:
         include = list(args.lm_eval_include or []) + default_lm_eval_include()
-        timed("lm_eval", lambda: run_lm_eval(em, lm_tasks, include, args.batch_size, args.max_length or T,
-                                             args.lm_eval_limit, args.num_fewshot, args.seed))
-
-    plan = em.run_cfg.get("plan") or {}
-    doc = {
-        "checkpoint": str(em.step_dir.resolve()) if em.step_dir else None,
-        "run_dir": str(em.run_dir.resolve()) if em.run_dir else None,
-        "run_name": plan.get("run_name") or (em.run_dir.name if em.run_dir else None),
-        "step": em.step,
-        "tokens_trained": plan.get("total_tokens"),
-        "model": em.run_cfg.get("model"),
-        "train_length": T,
-        "tokenizer": getattr(em.tokenizer, "path", None),
-        "context_limit": limit,
-        "settings": {k: v for k, v in vars(args).items()},
-        "results": results,
-        "time_s": timings,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "host": {"python": platform.python_version(), "device": str(em.device), "precision": em.precision},
-    }
+        max_length = args.max_length or st["lm_eval_max_length"] or em.train_len
+        timed("lm_eval", lambda: run_lm_eval(em, lm_tasks, include, args.batch_size, max_length,
+                                             args.lm_eval_limit, args.num_fewshot, args.seed, meta))
+        notes.extend(results["lm_eval"].get("notes", []))
+    doc = result_document(args, em, st, notes, limit, results, timings)
     if out_path.parent and not out_path.parent.exists():
         out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
