@@ -47,7 +47,8 @@ def check_options(zero_stage: int, offload: str) -> None:
 
 
 def ds_config(*, micro_bsz: int, grad_accum: int, world_size: int, zero_stage: int, precision: str,
-              offload: str = "none", cuda: bool = False, clip: float = 1.0) -> dict[str, Any]:
+              offload: str = "none", cuda: bool = False, clip: float = 1.0,
+              fp16_scale_window: int = 1000) -> dict[str, Any]:
     """The DeepSpeed config dict for one run (written beside the checkpoints as deepspeed_config.json)."""
     check_options(zero_stage, offload)
     zero: dict[str, Any] = {"stage": zero_stage}
@@ -64,8 +65,10 @@ def ds_config(*, micro_bsz: int, grad_accum: int, world_size: int, zero_stage: i
         "gradient_clipping": clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16-mixed"},
+        # hysteresis 1: halve at the first overflow, as torch's GradScaler does (DeepSpeed's default 2 waits for a
+        # second one), so both scalers follow the same rule
         "fp16": {"enabled": precision == "fp16-mixed", "loss_scale": 0, "initial_scale_power": 16,
-                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+                 "loss_scale_window": fp16_scale_window, "hysteresis": 1, "min_loss_scale": 1},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2 ** 31 - 1,  # we log; DeepSpeed stays quiet
         "wall_clock_breakdown": False,
