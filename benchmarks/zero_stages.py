@@ -5,13 +5,17 @@ worker goes through the trainer's own code path: `parallelize()` and `build_stra
 `deepspeed_engine.ds_config`), bf16-mixed autocast, AdamW, then `--steps` optimizer steps of
 `strategy.backward` / `strategy.clip_and_step` on synthetic tokens (`data/synthetic.py`). It samples its memory:
 
-* baseline: the resident set (RSS) once torch, DeepSpeed and the process group are up, before the model is
-  built; every number below is relative to it;
+* baseline: the resident set (RSS) once torch, DeepSpeed and the process group are up and warmed up (one bf16
+  forward/backward of a tiny model and one collective), before the model is built; every number below is
+  relative to it. Workers run with MALLOC_MMAP_THRESHOLD_=65536, so a freed tensor leaves the resident set;
 * build: the peak RSS while the model is built and wrapped (VmHWM), and what stays resident after it;
 * steady state: the peak RSS over the optimizer steps after the first (VmHWM, reset through
   /proc/self/clear_refs after the first step), i.e. parameters, gradients, optimizer states, communication
   buckets and the (small: micro-batch 1 x 64 tokens) activations;
-* step time: the median over the steps after the first.
+* step time: the median over the steps after the first;
+* a census of the live tensors after the last backward, by holder (module parameters and gradients, the
+  optimizer's master partitions, their gradients, Adam states, everything else): the model states themselves,
+  without allocator slack or transients.
 
 Expected model states per parameter, for the precision used (bf16-mixed: the ZeRO paper's mixed-precision Adam,
 Rajbhandari et al. 2020 section 5.1, K = 12 bytes of fp32 master weights + Adam moments, 2 B bf16 params,
@@ -90,6 +94,58 @@ def deepspeed_estimates(name: str, n_params: int, largest_layer: int, nproc: int
     return None
 
 
+def tensor_census(strategy) -> dict[str, float]:
+    """MiB of the live tensors of this rank, by what holds them (each storage counted once, in the first
+    category that reaches it): the module's parameters and gradients; the inner optimizer's parameters (for ZeRO
+    the fp32 master partitions), their gradients (ZeRO's fp32 gradient partitions) and its states (Adam moments);
+    every other live tensor (found by the garbage collector: buckets, gathered parameters, activations)."""
+    import gc
+
+    import torch
+
+    seen: set[int] = set()
+
+    def add(tensors) -> float:
+        total = 0
+        for t in tensors:
+            t = getattr(t, "_local_tensor", t)  # an FSDP2 DTensor: this rank's shard
+            if t is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+        return total / MIB
+    module = getattr(strategy, "engine", None)
+    module = module.module if module is not None else strategy.model
+    params = list(module.parameters())
+    opt = strategy.optimizer
+    inner = getattr(opt, "optimizer", opt)  # ZeRO wraps the torch optimizer
+    inner_params = [p for g in inner.param_groups for p in g["params"]]
+    out = {"module params": add([getattr(p, "ds_tensor", None) for p in params] + [p.data for p in params]),
+           "module grads": add([p.grad for p in params]),
+           "optimizer params": add(inner_params), "optimizer grads": add([p.grad for p in inner_params]),
+           "optimizer states": add([v for st in inner.state.values() for v in st.values()])}
+    out["other DeepSpeed/FSDP buffers"] = add(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    return out
+
+
+def warm_up_libraries(env) -> None:
+    """One bf16 forward/backward of a tiny model and one collective before the baseline is taken, so that the
+    baseline holds what does not grow with the model (oneDNN primitives, autocast, thread pools, gloo buffers)."""
+    import torch
+
+    from archscale.config import ModelConfig
+    from archscale.models.model import GPT
+
+    tiny = GPT(ModelConfig.from_arch("transformer", 1, ar=8, vocab_size=256, block_size=16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = tiny(torch.randint(0, 256, (1, 16)))
+    logits.float().sum().backward()
+    env.sum_(torch.ones(1024))
+    del tiny, logits
+
+
 def worker(a) -> None:
     import deepspeed  # noqa: F401  (imported by every strategy: the same baseline for all)
     import torch
@@ -105,6 +161,7 @@ def worker(a) -> None:
 
     strategy_name, stage, offload, _ = STRATEGIES[a.worker]
     env = setup(strategy_name)
+    warm_up_libraries(env)
     torch.manual_seed(0)
     env.barrier()
     base = rss_mib()
@@ -128,6 +185,8 @@ def worker(a) -> None:
             logits = strategy.model(batch[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         strategy.backward(loss, 0)
+        if i == a.steps - 1:
+            census = tensor_census(strategy)  # after backward: gradients and the previous steps' Adam states
         outcome = strategy.clip_and_step()
         env.barrier()
         times.append(time.perf_counter() - t0)
@@ -136,7 +195,8 @@ def worker(a) -> None:
         reset_hwm()
     row = {"rank": env.rank, "build_peak_mib": build_peak, "build_end_mib": build_end,
            "first_step_peak_mib": step_peaks[0], "steady_peak_mib": max(step_peaks[1:] or step_peaks),
-           "end_mib": rss_mib() - base, "step_s": statistics.median(times[1:] or times), "loss": float(loss)}
+           "end_mib": rss_mib() - base, "step_s": statistics.median(times[1:] or times), "loss": float(loss),
+           "census_mib": census}
     Path(a.out).with_suffix(f".rank{env.rank}.json").write_text(json.dumps(row))
     env.barrier()
     env.close()
@@ -186,7 +246,7 @@ def summarize(name: str, nproc: int, ranks: list[dict], n_params: int, largest: 
             "build_peak_mib": max(r["build_peak_mib"] for r in ranks),
             "first_step_peak_mib": max(r["first_step_peak_mib"] for r in ranks),
             "end_mib": max(r["end_mib"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
-            "loss": ranks[0]["loss"], "per_rank": ranks}
+            "loss": ranks[0]["loss"], "census_mib": ranks[0]["census_mib"], "per_rank": ranks}
 
 
 def table(results: list[dict]) -> str:
@@ -200,6 +260,18 @@ def table(results: list[dict]) -> str:
                      f"{r['expected_mib']:.0f} | {ds} | {r['steady_peak_mib']:.0f} | "
                      f"{r['steady_bytes_per_param']:.1f} | {r['ratio_to_expected']:.2f} | "
                      f"{r['build_peak_mib']:.0f} | {r['step_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def census_table(results: list[dict]) -> str:
+    """Where rank 0's live tensor bytes are, after the last backward (MiB), beside its steady-state peak RSS."""
+    keys = list(results[0]["census_mib"])
+    lines = ["| N | strategy | " + " | ".join(keys) + " | all live tensors | steady peak RSS |",
+             "|---:|---|" + "---:|" * (len(keys) + 2)]
+    for r in results:
+        c = r["census_mib"]
+        lines.append(f"| {r['nproc']} | {r['strategy']} | " + " | ".join(f"{c[k]:.0f}" for k in keys)
+                     + f" | {sum(c.values()):.0f} | {r['per_rank'][0]['steady_peak_mib']:.0f} |")
     return "\n".join(lines)
 
 
@@ -247,7 +319,11 @@ def main() -> None:
     a = p.parse_args()
     if a.worker:
         return worker(a)
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
+               # every allocation above 64 KiB is its own mmap, returned to the OS when freed: without it glibc
+               # raises its mmap threshold after the first frees and keeps freed tensors in its heap, and the
+               # resident set then counts memory that no tensor holds any more
+               MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     results_dir = Path(a.results)
     tmp = results_dir / "zero_stages.tmp"
@@ -270,6 +346,7 @@ def main() -> None:
     (results_dir / "zero_stages.json").write_text(json.dumps({"config": config, "results": results}, indent=1))
     plot(results, results_dir / "zero_stages.png")
     print("\n" + table(results))
+    print("\nlive tensors of rank 0 after the last backward (MiB):\n" + census_table(results))
     print(f"\nwrote {results_dir / 'zero_stages.json'} and {results_dir / 'zero_stages.png'}")
 
 

@@ -32,6 +32,7 @@ from archscale.errors import UserError
 from archscale.train.checkpoint import DS_TAG
 
 OFFLOADS = ("none", "optimizer", "params")
+BUCKET_ELEMENTS = 20_000_000  # gradient-reduce / all-gather / ZeRO-3 prefetch bucket, in elements
 
 
 def check_options(zero_stage: int, offload: str) -> None:
@@ -52,8 +53,16 @@ def ds_config(*, micro_bsz: int, grad_accum: int, world_size: int, zero_stage: i
     """The DeepSpeed config dict for one run (written beside the checkpoints as deepspeed_config.json)."""
     check_options(zero_stage, offload)
     zero: dict[str, Any] = {"stage": zero_stage}
+    # Bounded buffers (benchmarks/zero_stages.py measured them; docs/BENCHMARKS.md). DeepSpeed's defaults size the
+    # gradient bucket at 5e8 elements (1 GB in bf16, more than a 150M model's gradients: ZeRO-2 then holds them
+    # all at once) and, for ZeRO-3, let gathered parameters stay until their reuse (max_reuse_distance and
+    # max_live_parameters 1e9 elements, more than the model). 2e7 elements is 40 MB in bf16.
     if zero_stage in (1, 2):
-        zero.update(reduce_scatter=True, overlap_comm=cuda, contiguous_gradients=True)
+        zero.update(reduce_scatter=True, overlap_comm=cuda, contiguous_gradients=True,
+                    reduce_bucket_size=BUCKET_ELEMENTS, allgather_bucket_size=BUCKET_ELEMENTS)
+    if zero_stage == 3:
+        zero.update(reduce_bucket_size=BUCKET_ELEMENTS, stage3_prefetch_bucket_size=BUCKET_ELEMENTS,
+                    stage3_max_live_parameters=BUCKET_ELEMENTS, stage3_max_reuse_distance=0)
     if offload != "none":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     if offload == "params":
