@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # this checkout's archscale, in the launcher and (via PYTHONPATH) the workers
 # name -> (strategy, zero_stage, offload, expected bytes/param in bf16-mixed as a function of N)
 STRATEGIES = {
     "ddp": ("ddp", None, "none", lambda n: 16.0),
