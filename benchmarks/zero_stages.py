@@ -148,8 +148,11 @@ def warm_up_libraries(env) -> None:
 
 
 def worker(a) -> None:
-    import deepspeed  # noqa: F401  (imported by every strategy: the same baseline for all)
+    import importlib
+
     import torch
+
+    importlib.import_module("deepspeed")  # loaded by every strategy: the same baseline for all
 
     from archscale.config import ModelConfig
     from archscale.data.synthetic import SyntheticLoader
