@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from archscale.errors import UserError
+from archscale.data.synthetic import synthetic_kind
 from archscale.scaling_rules import PARAMETRIZATIONS, BaseHyperparameters
+from archscale.train.curriculum import parse_curriculum
 from archscale.train.deepspeed_engine import check_options as check_deepspeed_options
 from archscale.train.distributed import check_strategy
 from archscale.train.schedule import SCHEDULES
@@ -18,7 +20,7 @@ from archscale.train.schedule import SCHEDULES
 class PretrainConfig:
     """Everything a pretraining run needs. Flags mirror ArchScale's `pretrain.py` plus explicit ones."""
 
-    train_data_dir: str = "data/train"  # folder of train*.bin shards (from `archscale prepare`)
+    train_data_dir: str = "data/train"  # train*.bin shards (archscale prepare) | synthetic[:markov|:uniform]
     val_data_dir: Optional[str] = None  # folder of validation*.bin shards (default: train_data_dir)
     data_mixture: Optional[str] = None  # JSON file {"prefix": weight}; default {"train": 1.0}
     train_model: str = "transformer"  # architecture
@@ -43,6 +45,8 @@ class PretrainConfig:
     loss: str = "auto"  # auto | plain | chunked (linear CE over token chunks); auto: chunked above 100K vocab
 
     precision: str = "bf16-mixed"  # fp32 | bf16-mixed | fp16-mixed (dynamic loss scaling; for GPUs)
+    fp16_scale_window: int = 1000  # fp16-mixed: clean steps before the loss scale doubles
+    curriculum: str = "none"  # none | seqlen:start=S,steps=N[,schedule=linear|root]
     strategy: str = "auto"  # auto (single for one process, fsdp otherwise) | single | ddp | fsdp | deepspeed
     zero_stage: int = 2  # --strategy deepspeed: ZeRO stage 0..3
     offload: str = "none"  # --strategy deepspeed: none | optimizer | params (params needs ZeRO 3)
@@ -195,11 +199,15 @@ def validate(cfg: PretrainConfig) -> None:
         (cfg.nonfinite in ("stop", "skip"), f"--nonfinite must be stop or skip (got {cfg.nonfinite!r})"),
         (cfg.nonfinite_max >= 1, f"--nonfinite_max must be >= 1 (got {cfg.nonfinite_max})"),
         (cfg.eos_id is None or cfg.eos_id >= 0, f"--eos_id must be >= 0 (got {cfg.eos_id})"),
+        (cfg.fp16_scale_window >= 1, f"--fp16_scale_window must be >= 1 (got {cfg.fp16_scale_window})"),
+        (not (cfg.data_mixture and synthetic_kind(cfg.train_data_dir)),
+         "--data_mixture mixes shard prefixes; it does not combine with --train_data_dir synthetic"),
     ]
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
     check_strategy(cfg.strategy)
+    parse_curriculum(cfg.curriculum, cfg.ctx_len)
     check_deepspeed_options(cfg.zero_stage, cfg.offload)
     rope_scaling_factor(cfg.rope_scaling)
     from archscale.train.loggers import parse_logger_names

@@ -32,6 +32,7 @@ from archscale.errors import UserError
 from archscale.train.checkpoint import DS_TAG
 
 OFFLOADS = ("none", "optimizer", "params")
+BUCKET_ELEMENTS = 20_000_000  # gradient-reduce / all-gather / ZeRO-3 prefetch bucket, in elements
 
 
 def check_options(zero_stage: int, offload: str) -> None:
@@ -47,12 +48,21 @@ def check_options(zero_stage: int, offload: str) -> None:
 
 
 def ds_config(*, micro_bsz: int, grad_accum: int, world_size: int, zero_stage: int, precision: str,
-              offload: str = "none", cuda: bool = False, clip: float = 1.0) -> dict[str, Any]:
+              offload: str = "none", cuda: bool = False, clip: float = 1.0,
+              fp16_scale_window: int = 1000) -> dict[str, Any]:
     """The DeepSpeed config dict for one run (written beside the checkpoints as deepspeed_config.json)."""
     check_options(zero_stage, offload)
     zero: dict[str, Any] = {"stage": zero_stage}
+    # Bounded buffers (benchmarks/zero_stages.py measured them; docs/BENCHMARKS.md). DeepSpeed's defaults size the
+    # gradient bucket at 5e8 elements (1 GB in bf16, more than a 150M model's gradients: ZeRO-2 then holds them
+    # all at once) and, for ZeRO-3, let gathered parameters stay until their reuse (max_reuse_distance and
+    # max_live_parameters 1e9 elements, more than the model). 2e7 elements is 40 MB in bf16.
     if zero_stage in (1, 2):
-        zero.update(reduce_scatter=True, overlap_comm=cuda, contiguous_gradients=True)
+        zero.update(reduce_scatter=True, overlap_comm=cuda, contiguous_gradients=True,
+                    reduce_bucket_size=BUCKET_ELEMENTS, allgather_bucket_size=BUCKET_ELEMENTS)
+    if zero_stage == 3:
+        zero.update(reduce_bucket_size=BUCKET_ELEMENTS, stage3_prefetch_bucket_size=BUCKET_ELEMENTS,
+                    stage3_max_live_parameters=BUCKET_ELEMENTS, stage3_max_reuse_distance=0)
     if offload != "none":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
     if offload == "params":
@@ -64,8 +74,10 @@ def ds_config(*, micro_bsz: int, grad_accum: int, world_size: int, zero_stage: i
         "gradient_clipping": clip,
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16-mixed"},
+        # hysteresis 1: halve at the first overflow, as torch's GradScaler does (DeepSpeed's default 2 waits for a
+        # second one), so both scalers follow the same rule
         "fp16": {"enabled": precision == "fp16-mixed", "loss_scale": 0, "initial_scale_power": 16,
-                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+                 "loss_scale_window": fp16_scale_window, "hysteresis": 1, "min_loss_scale": 1},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2 ** 31 - 1,  # we log; DeepSpeed stays quiet
         "wall_clock_breakdown": False,

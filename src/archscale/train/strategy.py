@@ -161,21 +161,25 @@ class DeepSpeedStrategy(Strategy):
 def build_strategy(env: DistEnv, model: torch.nn.Module, groups: list[dict], *, lr: float,
                    betas: tuple[float, float], eps: float, accum: int, micro_bsz: int, precision: str,
                    zero_stage: int = 2, offload: str = "none", universal_from: Optional[Callable[[], Path]] = None,
-                   ) -> tuple[Strategy, Optional[dict]]:
+                   fp16_scale_window: int = 1000) -> tuple[Strategy, Optional[dict]]:
     """The strategy for `env.strategy` around the parallelized `model`, with its optimizer over `groups`.
     Returns (strategy, DeepSpeed config or None). `universal_from()` converts the checkpoint to resume (when it
-    was saved by DeepSpeed with another world size) and returns where the converted copy is."""
+    was saved by DeepSpeed with another world size) and returns where the converted copy is. fp16-mixed: both
+    scalers start at 2**16, halve on an overflow (skipping that step) and double after `fp16_scale_window`
+    overflow-free steps."""
     if env.strategy != "deepspeed":
         from archscale.train.optim import build_adamw
 
         optimizer = build_adamw(groups, lr, betas, eps)
-        scaler = torch.amp.GradScaler(env.device.type) if precision == "fp16-mixed" else None
+        scaler = (torch.amp.GradScaler(env.device.type, init_scale=2.0 ** 16, backoff_factor=0.5, growth_factor=2.0,
+                                       growth_interval=fp16_scale_window) if precision == "fp16-mixed" else None)
         cls = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}.get(env.strategy, Strategy)
         return cls(model, optimizer, accum, scaler), None
     from archscale.train.deepspeed_engine import build_engine, ds_config
 
     config = ds_config(micro_bsz=micro_bsz, grad_accum=accum, world_size=env.world_size, zero_stage=zero_stage,
-                       precision=precision, offload=offload, cuda=env.device.type == "cuda")
+                       precision=precision, offload=offload, cuda=env.device.type == "cuda",
+                       fp16_scale_window=fp16_scale_window)
     universal = universal_from() if universal_from is not None else None
     if universal is not None:
         config["checkpoint"] = {"load_universal": True}

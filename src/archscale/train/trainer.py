@@ -27,11 +27,13 @@ import yaml
 
 from archscale.config import ModelConfig, arch_preset, n_mult
 from archscale.data.loader import GlobalOrderLoader, load_mixture, read_manifest, validation_batches
+from archscale.data.synthetic import SyntheticLoader, synthetic_kind, synthetic_validation_batches
 from archscale.errors import NonFiniteError, UserError
 from archscale.models.model import GPT
 from archscale.scaling_rules import RoleRule, default_tokens, resolve_batch_and_lr, resolve_parametrization
 from archscale.train import checkpoint as ckpt
 from archscale.train.config import PretrainConfig, apply_train_name, rope_scaling_factor, validate
+from archscale.train.curriculum import cut_batch, parse_curriculum
 from archscale.train.deepspeed_engine import to_universal
 from archscale.train.distributed import DistEnv
 from archscale.train.distributed import setup as setup_distributed
@@ -87,6 +89,8 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
     preset = arch_preset(cfg.train_model)  # e.g. Phi4-mini-Flash's 200,064 tied vocabulary
     vocab = cfg.vocab_size or preset.get("vocab_size") or (manifest or {}).get("vocab_size") or default_vocab
     tie = cfg.tie_embeddings or ("tie_embeddings" not in explicit and preset.get("tie_embeddings", False))
+    if not vocab and synthetic_kind(cfg.train_data_dir):
+        raise UserError(f"--train_data_dir {cfg.train_data_dir}: synthetic data needs --vocab_size")
     if not vocab:
         raise UserError(f"--train_data_dir {cfg.train_data_dir}: no such folder; run `archscale prepare` first"
                         if not Path(cfg.train_data_dir).is_dir() else
@@ -387,6 +391,7 @@ class StepResult:
     applied: bool  # the optimizer update happened
     overflow: bool  # an fp16 loss scaler skipped it
     seconds: float
+    seq_len: int = 0  # training sequence length of the step (--curriculum)
 
     @property
     def finite(self) -> bool:
@@ -471,7 +476,7 @@ class Trainer:
         self.strategy, ds_cfg = build_strategy(
             env, model, self.groups, lr=self.plan.lr, betas=(hps.beta1_0, hps.beta2_0), eps=hps.eps0,
             accum=self.plan.grad_accum, micro_bsz=cfg.micro_bsz, precision=cfg.precision,
-            zero_stage=cfg.zero_stage, offload=cfg.offload,
+            zero_stage=cfg.zero_stage, offload=cfg.offload, fp16_scale_window=cfg.fp16_scale_window,
             universal_from=self.checkpoints.universal_copy(self.resume_from))
         if ds_cfg is not None and env.is_main:
             (self.out_dir / "deepspeed_config.json").write_text(json.dumps(ds_cfg, indent=1))
@@ -502,20 +507,31 @@ class Trainer:
         world size; see GlobalOrderLoader). Validation batches are split over ranks."""
         cfg, env = self.cfg, self.env
         block = cfg.ctx_len + 1
-        mixture = load_mixture(cfg.data_mixture, cfg.train_data_dir) if cfg.data_mixture else "train"
-        self.loader = GlobalOrderLoader(cfg.train_data_dir, mixture, block_size=block, micro_bsz=cfg.micro_bsz,
-                                        seed=cfg.seed, rank=env.rank, world_size=env.world_size,
-                                        num_workers=cfg.num_workers)
+        kind = synthetic_kind(cfg.train_data_dir)
+        if kind is not None:  # --train_data_dir synthetic[:kind]: generated from the seed, no files
+            self.loader = SyntheticLoader(kind, vocab_size=self.plan.vocab_size, block_size=block,
+                                          micro_bsz=cfg.micro_bsz, seed=cfg.seed, rank=env.rank,
+                                          world_size=env.world_size)
+        else:
+            mixture = load_mixture(cfg.data_mixture, cfg.train_data_dir) if cfg.data_mixture else "train"
+            self.loader = GlobalOrderLoader(cfg.train_data_dir, mixture, block_size=block, micro_bsz=cfg.micro_bsz,
+                                            seed=cfg.seed, rank=env.rank, world_size=env.world_size,
+                                            num_workers=cfg.num_workers)
         eos_id = varlen_eos_id(cfg)
         zero3 = self.env.strategy == "deepspeed" and cfg.zero_stage == 3
         self.loss_fn = select_loss(cfg.loss, self.model_cfg.vocab_size, zero3=zero3)  # --loss
         self.forward = make_forward(cfg, eos_id, return_hidden=self.loss_fn.wants_hidden)
+        self.curriculum = parse_curriculum(cfg.curriculum, cfg.ctx_len)  # None: always --ctx_len
         self.eval_forward = make_forward(cfg, eos_id)
         self.val_batches, self.val_pad, self.val_filler = [], 0, None
         if cfg.eval_iters > 0:
             val_dir = cfg.val_data_dir or cfg.train_data_dir
-            everything = list(validation_batches(val_dir, "validation", block_size=block,
-                                                 micro_bsz=max(1, cfg.micro_bsz), max_batches=cfg.eval_iters))
+            val_kind = synthetic_kind(val_dir)
+            everything = (synthetic_validation_batches(val_kind, vocab_size=self.plan.vocab_size, block_size=block,
+                                                       micro_bsz=cfg.micro_bsz, seed=cfg.seed,
+                                                       max_batches=cfg.eval_iters) if val_kind else
+                          list(validation_batches(val_dir, "validation", block_size=block,
+                                                  micro_bsz=max(1, cfg.micro_bsz), max_batches=cfg.eval_iters)))
             for b in everything:
                 check_token_range(b, self.model_cfg.vocab_size, val_dir)
             self.val_batches = everything[env.rank::env.world_size]
@@ -539,7 +555,8 @@ class Trainer:
 
     def _open_loggers(self) -> None:
         cfg, plan, env = self.cfg, self.plan, self.env
-        extra_cols = ("loss_scale",) if cfg.precision == "fp16-mixed" else ()
+        extra_cols = (("loss_scale",) if cfg.precision == "fp16-mixed" else ()) + (
+            ("seq_len",) if cfg.curriculum != "none" else ())
         wb_config, wb_tags = seed_wandb_config(cfg)
         if env.is_main:
             self.metrics = Loggers(self.out_dir, cfg.logger, extra=extra_cols,
@@ -576,15 +593,16 @@ class Trainer:
         t_start = time.perf_counter()
         lr = lr_at(state.step, plan.lr, plan.min_lr, plan.warmup_steps, plan.max_steps, cfg.schedule)
         set_lr(strategy.optimizer, lr)  # per group: lr * lr_mult (the same groups under every strategy)
+        seq_len = self.curriculum.length_at(state.step) if self.curriculum is not None else cfg.ctx_len
         loss_sum = torch.zeros((), device=device)
         for micro in range(plan.grad_accum):
             batch = next(batch_iter)
             check_token_range(batch, self.model_cfg.vocab_size, cfg.train_data_dir)
-            batch = batch.to(device, non_blocking=True)
+            inputs, targets = cut_batch(batch.to(device, non_blocking=True), seq_len)  # --curriculum
             with strategy.no_sync(micro):
                 with self.autocast():
-                    logits = self.forward(strategy.model, batch[:, :-1])
-                loss = self.loss_fn(logits, batch[:, 1:], cfg.label_smoothing)
+                    logits = self.forward(strategy.model, inputs)
+                loss = self.loss_fn(logits, targets, cfg.label_smoothing)
                 strategy.backward(loss, micro)
             loss_sum += loss.detach()  # no .item() here: it would sync the GPU every micro-batch
         train_loss = self.env.mean(loss_sum.double() / plan.grad_accum)  # the global batch's, on every rank
@@ -592,7 +610,7 @@ class Trainer:
         state.step += 1
         state.tokens += plan.batch_tokens
         return StepResult(lr=lr, train_loss=train_loss, grad_norm=outcome.grad_norm, applied=outcome.applied,
-                          overflow=outcome.overflow, seconds=time.perf_counter() - t_start)
+                          overflow=outcome.overflow, seconds=time.perf_counter() - t_start, seq_len=seq_len)
 
     # ---------------------------------------------------------------- the loop
     def validate_now(self) -> float:
@@ -646,6 +664,8 @@ class Trainer:
                        mfu=tok_s * self.plan.flops_per_token / (self.peak * self.env.world_size))
             if self.cfg.precision == "fp16-mixed":
                 row["loss_scale"] = self.strategy.loss_scale()
+            if self.curriculum is not None:
+                row["seq_len"] = result.seq_len
             row.update({f"lr_{g.get('name', i)}": result.lr * g.get("lr_mult", 1.0)
                         for i, g in enumerate(self.groups)})
             self.metrics.write(**row)
