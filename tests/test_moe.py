@@ -1,0 +1,180 @@
+"""Mixture of experts (models/mixers/moe.py): routing equals a naive per-token loop in values and gradients, the
+auxiliary losses equal their formulas, active-parameter accounting, and a tiny MoE model trains."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from archscale import GPT, ModelConfig
+from archscale.errors import UserError
+from archscale.models import accounting
+from archscale.models.mixers import ForwardContext
+from archscale.models.mixers.moe import MoE
+
+
+def moe_config(arch="transformer", depth=4, ar=16, n_experts=4, top_k=2, n_shared=0, **kw):
+    opts = dict(n_experts=n_experts, top_k=top_k, n_shared=n_shared, **kw.pop("moe", {}))
+    base = dict(vocab_size=97, block_size=64, ffn_kind="moe", mixer_options={"moe": opts})
+    if arch != "transformer":
+        base["sliding_window"] = 64
+    base.update(kw)
+    return ModelConfig.from_arch(arch, depth, ar=ar, **base)
+
+
+def naive_moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: softmax over the k largest router logits, the weighted sum of those experts' SwiGLUs."""
+    out = []
+    for xt in x.reshape(-1, x.shape[-1]):
+        logits = (xt @ layer.router.weight.t()) * layer.logit_scale
+        chosen = sorted(range(layer.n_experts), key=lambda e: -float(logits[e].detach()))[: layer.top_k]
+        gates = torch.softmax(logits[chosen], dim=0)
+        y = torch.zeros_like(xt)
+        for g, e in zip(gates, chosen):
+            gate, inp = (layer.w1.weight[e] @ xt).chunk(2)
+            y = y + g * (layer.w3.weight[e] @ (F.silu(gate) * inp))
+        if layer.shared is not None:
+            y = y + layer.shared(xt)
+        out.append(y)
+    return torch.stack(out).reshape(x.shape)
+
+
+@pytest.mark.parametrize("n_experts,top_k,n_shared", [(4, 2, 0), (8, 1, 0), (6, 3, 1)])
+def test_routing_equals_a_per_token_loop(n_experts, top_k, n_shared):
+    """Values and gradients (input and every parameter) of the sorted, dropless dispatch equal the per-token loop,
+    fp32, atol 1e-6."""
+    torch.manual_seed(0)
+    cfg = moe_config(n_experts=n_experts, top_k=top_k, n_shared=n_shared)
+    layer = MoE(cfg, 0, "moe")
+    layer.reset_parameters()
+    x = torch.randn(3, 7, cfg.n_embd, requires_grad=True)
+    grads = []
+    for fn in (lambda: layer(x), lambda: naive_moe(layer, x)):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        y = fn()
+        (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+        grads.append((y.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters()}))
+    (y1, gx1, gp1), (y2, gx2, gp2) = grads
+    torch.testing.assert_close(y1, y2, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(gx1, gx2, atol=1e-6, rtol=1e-5)
+    for name in gp1:
+        torch.testing.assert_close(gp1[name], gp2[name], atol=1e-6, rtol=1e-5, msg=name)
+    # every expert got tokens, so the comparison covers them all; with k = 1 the gate is softmax of one logit = 1
+    # and the router learns only from the auxiliary loss (softmax after top-k, as ArchScale)
+    assert all(bool((gp1[n].flatten(1).abs().amax(1) > 0).all()) for n in ("w1.weight", "w3.weight"))
+    assert bool(gp1["router.weight"].abs().max() > 0) == (top_k > 1)
+
+
+def test_aux_loss_equals_its_formula():
+    """Switch loss aux_coef * E * sum_i f_i P_i plus z_coef * mean logsumexp^2, recomputed here from the router
+    with explicit loops; a perfectly balanced uniform router gives exactly aux_coef (f_i = P_i = 1/E)."""
+    torch.manual_seed(1)
+    cfg = moe_config(n_experts=4, top_k=2, moe=dict(aux_coef=0.01, z_coef=0.001))
+    layer = MoE(cfg, 0, "moe")
+    layer.reset_parameters()
+    x = torch.randn(2, 9, cfg.n_embd)
+    ctx = ForwardContext(pos=0, cos=None, sin=None)
+    layer(x, ctx)
+    (got,) = ctx.aux_losses
+    flat = x.reshape(-1, cfg.n_embd)
+    logits = flat @ layer.router.weight.t()
+    N, E, k = flat.shape[0], 4, 2
+    f = [0.0] * E
+    for t in range(N):
+        for e in logits[t].topk(k).indices.tolist():
+            f[e] += 1.0 / (N * k)
+    P = [sum(float(torch.softmax(logits[t], 0)[e]) for t in range(N)) / N for e in range(E)]
+    z = sum(float(torch.logsumexp(logits[t], 0)) ** 2 for t in range(N)) / N
+    want = 0.01 * E * sum(fi * pi for fi, pi in zip(f, P)) + 0.001 * z
+    assert float(got) == pytest.approx(want, rel=1e-5)
+    with torch.no_grad():  # uniform router: every logit ties (topk picks k of E; P = 1/E)
+        layer.router.weight.zero_()
+    ctx = ForwardContext(pos=0, cos=None, sin=None)
+    layer(x, ctx)
+    assert float(ctx.aux_losses[0]) == pytest.approx(0.01 * E * (1 / E) + 0.001 * math.log(E) ** 2, rel=1e-6)
+
+
+def test_model_sums_aux_losses_and_counts_active_params():
+    torch.manual_seed(0)
+    cfg = moe_config(depth=4, n_experts=8, top_k=2)
+    model = GPT(cfg)
+    dense = GPT(cfg.replace(ffn_kind="", mixer_options={}))
+    model(torch.randint(0, 97, (2, 16)))
+    assert model.aux_loss is not None and model.aux_loss.requires_grad
+    dense(torch.randint(0, 97, (2, 16)))
+    assert dense.aux_loss is None
+    # k of E experts of hidden 4d/k: the active parameters are the dense twin's plus the routers
+    router = cfg.n_layer * cfg.n_embd * 8
+    assert model.num_params(active=True) == dense.num_params() + router
+    dense_mlp = cfg.n_layer * 3 * cfg.intermediate_size * cfg.n_embd
+    assert model.num_params() == dense.num_params() + 3 * dense_mlp + router  # E/k = 4 dense MLPs per layer
+    assert model.flops_per_token(32) == pytest.approx(dense.flops_per_token(32) + 3 * 2 * router)
+
+
+def test_bad_moe_options_are_one_line_errors():
+    with pytest.raises(UserError, match="top_k"):
+        GPT(moe_config(n_experts=2, top_k=3))
+    with pytest.raises(UserError, match="no ffn registered"):
+        GPT(moe_config().replace(ffn_kind="moee"))
+
+
+# ------------------------------------------------- the registry's per-architecture checks, on MoE models
+MOE_ARCHS = ["transformer", "sambay"]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_models_pass_the_per_architecture_checks(arch):
+    """Causality and information flow, a gradient for every parameter (routers and every expert included), cached
+    greedy decoding equal to the full forward, FLOPs equal to FlopCounterMode (5%)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from model_checks import check_every_parameter_learns, check_information_flows
+
+    torch.manual_seed(0)
+    cfg = moe_config(arch, depth=4, n_experts=4, top_k=2, n_shared=1)
+    model = GPT(cfg)
+    check_information_flows(model.eval())
+    check_every_parameter_learns(model.train())
+    prompt = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        out = model.eval().generate(prompt, 6)
+        ref = prompt
+        for _ in range(6):
+            ref = torch.cat([ref, model(ref)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ref)
+    T = 32
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH), torch.no_grad():
+        model(torch.randint(0, 97, (1, T)))
+    terms = accounting.flops_breakdown(model, T)
+    ours = sum(v for k, v in terms.items() if not k.endswith("_elementwise"))
+    assert ours == pytest.approx(counter.get_total_flops() / T, rel=0.05), terms
+
+
+@pytest.mark.parametrize("scheme,w", [("sp", 1.0), ("sp", 2.0), ("mup", 1.0), ("mup", 0.5)])
+def test_moe_roles_give_groups_and_init(scheme, w):
+    """Experts and routers are matrix-like for the optimizer (ArchScale's name rule); each expert slice is drawn
+    like the dense SwiGLU's Linear (SP N(0, 0.02) x w, w3 / sqrt(2L); mu-P U(+-1/sqrt(fan_in)) x w), the router
+    N(0, 0.02) (ArchScale's Router), and init_stds() reports the expert numbers (rel 12%: sampling noise)."""
+    from archscale.scaling_rules import BaseHyperparameters, resolve_parametrization
+    from archscale.train.optim import param_groups
+
+    torch.manual_seed(0)
+    cfg = moe_config(depth=4, ar=32, n_experts=4, top_k=2, n_shared=1, init_scheme=scheme, w_init_mult=w)
+    model = GPT(cfg)
+    r = resolve_parametrization("mup++", BaseHyperparameters(), 4, 4, 32)
+    groups = {id(p): g["name"] for g in param_groups(model, r.matrix, r.vector) for p in g["params"]}
+    layer = model.blocks[1].mlp
+    for name, p in layer.named_parameters():
+        assert groups[id(p)] == "matrix", name
+    reported = model.init_stds()
+    residual = 1 / math.sqrt(2 * cfg.n_layer)
+    for rel, fan_in, out in (("w1.weight", cfg.n_embd, False), ("w3.weight", layer.w1.weight.shape[1] // 2, True)):
+        want = (0.02 if scheme == "sp" else 1 / math.sqrt(3 * fan_in)) * w * (residual if out and scheme == "sp"
+                                                                              else 1.0)
+        for e in range(4):
+            assert layer.get_parameter(rel)[e].std().item() == pytest.approx(want, rel=0.12), (rel, e)
+        assert reported[f"moe.{rel}"] == pytest.approx(want, rel=1e-9)
+    assert layer.router.weight.std().item() == pytest.approx(0.02, rel=0.12)
