@@ -178,3 +178,92 @@ def test_moe_roles_give_groups_and_init(scheme, w):
             assert layer.get_parameter(rel)[e].std().item() == pytest.approx(want, rel=0.12), (rel, e)
         assert reported[f"moe.{rel}"] == pytest.approx(want, rel=1e-9)
     assert layer.router.weight.std().item() == pytest.approx(0.02, rel=0.12)
+
+
+# ------------------------------------------------------------------------------------------- training
+def pretrain_args(data, out, *extra):
+    return ["pretrain", "--train_data_dir", str(data), "--train_model", "transformer", "--depth", "2",
+            "--ctx_len", "32", "--micro_bsz", "2", "--base_hps.b0", "128", "--max_tokens", "768",
+            "--base_hps.eta0", "3e-3", "--base_hps.warmup_tokens0", "128", "--eval_interval", "100",
+            "--eval_iters", "1", "--log_interval", "1", "--out_dir", str(out), "--progress", "false",
+            "--precision", "fp32", "--moe", "4:2", *extra]
+
+
+def metrics(run):
+    import csv
+
+    with open(run / "metrics.csv", newline="") as f:
+        return [r for r in csv.DictReader(f) if r["train_loss"]]
+
+
+def test_pretrain_with_moe_trains_and_backpropagates_the_aux_loss(dataset, tmp_path, capsys):
+    """`--moe 4:2` trains through the CLI (loss falls over 6 steps); the logged train_loss is the LM loss (equal at
+    step 1 whatever the aux coefficient) while the aux loss reaches the gradient (step 1's grad norm moves)."""
+    import yaml
+
+    from archscale.cli import main
+
+    runs = {}
+    for coef in ("0", "1.0"):
+        run = tmp_path / f"aux{coef}"
+        assert main(pretrain_args(dataset, run, "--moe_aux_coef", coef)) == 0
+        runs[coef] = metrics(run)
+    first = [runs[c][0] for c in runs]
+    assert first[0]["train_loss"] == first[1]["train_loss"]
+    assert float(first[0]["grad_norm"]) != pytest.approx(float(first[1]["grad_norm"]), rel=1e-4)
+    losses = [float(r["train_loss"]) for r in runs["1.0"]]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.2, losses
+    saved = yaml.safe_load((tmp_path / "aux1.0" / "config.yaml").read_text())["model"]
+    assert saved["ffn_kind"] == "moe" and saved["mixer_options"]["moe"]["n_experts"] == 4
+
+
+def test_dry_run_shows_total_and_active_parameters(capsys):
+    import json
+
+    from archscale.cli import main
+
+    out = {}
+    for extra in ([], ["--moe", "8:2"]):
+        assert main(["pretrain", "--dry_run", "--depth", "4", "--vocab_size", "1000", *extra]) == 0
+        out[bool(extra)] = json.loads(capsys.readouterr().out)
+    dense, moe = out[False], out[True]
+    assert dense["n_params_active"] == dense["n_params"]
+    router = 4 * dense["n_embd"] * 8
+    assert moe["n_params_active"] == dense["n_params"] + router  # experts of width 4d/k: k of them = the dense MLP
+    mlp = 4 * 3 * dense["intermediate_size"] * dense["n_embd"]
+    assert moe["n_params"] == dense["n_params"] + router + (8 // 2 - 1) * mlp  # E/k dense MLPs' worth of experts
+    assert moe["flops_per_token"] == pytest.approx(dense["flops_per_token"] + 3 * 2 * router)
+    assert moe["ffn_kinds"] == ["moe"] and moe["run_name"].endswith("_moe8k2")
+
+
+@pytest.mark.slow
+def test_moe_beats_its_dense_twin_on_a_memorisation_task():
+    """c = table[a, b] over 32 x 32 random pairs (32 classes): a capacity-bound task, where 4x the FFN parameters
+    at equal active parameters should help. One run each, same seed, 400 AdamW steps at lr 1e-2: measured mean
+    loss over the last 20 steps 0.525 (dense) vs 0.061 (MoE 8:2); asserted with a 2x margin."""
+    torch.set_num_threads(1)
+    K = 32
+    table = torch.randint(0, K, (K, K), generator=torch.Generator().manual_seed(123))
+
+    def run(moe):
+        kw = dict(ffn_kind="moe", mixer_options={"moe": dict(n_experts=8, top_k=2)}) if moe else {}
+        torch.manual_seed(0)
+        model = GPT(ModelConfig.from_arch("transformer", 1, ar=16, vocab_size=3 * K, block_size=32, **kw))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        g = torch.Generator().manual_seed(7)
+        tail = []
+        for step in range(400):
+            a, b = torch.randint(0, K, (32, 10), generator=g), torch.randint(0, K, (32, 10), generator=g)
+            seq = torch.stack([a, b + K, table[a, b] + 2 * K], -1).flatten(1)
+            logits = model(seq[:, :-1])[:, 1::3]  # at every b: predict c
+            loss = F.cross_entropy(logits.flatten(0, 1), seq[:, 2::3].flatten())
+            (loss if model.aux_loss is None else loss + model.aux_loss).backward()
+            opt.step()
+            opt.zero_grad()
+            tail = (tail + [loss.item()])[-20:]
+        return sum(tail) / len(tail), model.num_params(active=True)
+
+    (dense, dense_active), (moe, moe_active) = run(False), run(True)
+    assert moe_active == dense_active + 16 * 8  # the router is the only extra active weight
+    print(f"dense {dense:.4f} moe {moe:.4f}")
+    assert moe < 0.5 * dense

@@ -31,7 +31,7 @@ from archscale.errors import NonFiniteError, UserError
 from archscale.models.model import GPT
 from archscale.scaling_rules import RoleRule, default_tokens, resolve_batch_and_lr, resolve_parametrization
 from archscale.train import checkpoint as ckpt
-from archscale.train.config import PretrainConfig, apply_train_name, rope_scaling_factor, validate
+from archscale.train.config import PretrainConfig, apply_train_name, moe_options, rope_scaling_factor, validate
 from archscale.train.deepspeed_engine import to_universal
 from archscale.train.distributed import DistEnv
 from archscale.train.distributed import setup as setup_distributed
@@ -98,6 +98,8 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
     sizes = ModelConfig.from_arch(cfg.train_model, cfg.depth, ar=cfg.ar, vocab_size=int(vocab),
                                   block_size=cfg.ctx_len, rope_base=cfg.rope_base, tie_embeddings=tie,
                                   rope_scaling=rope_scaling_factor(cfg.rope_scaling))
+    if moe_options(cfg) is not None:  # --moe: every plain feed-forward becomes a mixture of experts
+        sizes = sizes.replace(ffn_kind="moe", mixer_options={**sizes.mixer_options, "moe": moe_options(cfg)})
     rules = resolve_parametrization(cfg.parametrization, hps, cfg.depth, sizes.n_layer, sizes.head_size, tie=tie)
     model_cfg = sizes.replace(**rules.model_overrides())
     batch, accum, lr = resolve_batch_and_lr(hps, cfg.micro_bsz, cfg.ctx_len, world_size)
@@ -115,6 +117,8 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
              f"warming up for {new} of {max_steps} steps (10%) instead. Set --base_hps.warmup_tokens0 to choose.")
         warmup = new
     run_name = f"{cfg.train_name}_{cfg.train_model}_d{cfg.depth}_ctx{cfg.ctx_len}"
+    if cfg.moe:  # keeps an MoE run's default run dir apart from its dense twin's
+        run_name += "_moe" + str(cfg.moe).replace(":", "k") + (f"s{cfg.moe_shared}" if cfg.moe_shared else "")
     with torch.device("meta"):
         meta = GPT(model_cfg)
     plan = Plan(run_name=run_name, out_dir=cfg.out_dir or str(Path("runs") / run_name), vocab_size=int(vocab),
@@ -144,6 +148,8 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
         "head_size": m.head_size, "intermediate_size": m.intermediate_size, "vocab_size": m.vocab_size,
         "padded_vocab_size": m.padded_vocab_size, "tie_embeddings": m.tie_embeddings,
         "n_params": meta.num_params(non_embedding=False), "n_params_non_embedding": plan.non_embedding_params,
+        "n_params_active": meta.num_params(non_embedding=False, active=True),
+        "n_params_active_non_embedding": meta.num_params(active=True), "ffn_kinds": sorted(set(m.ffn_kinds)),
         "ctx_len": cfg.ctx_len, "micro_bsz": cfg.micro_bsz, "world_size": world_size,
         "batch_tokens": plan.batch_tokens, "grad_accum": plan.grad_accum, "max_tokens": plan.total_tokens,
         "optimizer_steps": plan.max_steps, "warmup_steps": plan.warmup_steps,
@@ -154,7 +160,7 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
         "attn_scale": m.attn_scale_mult / math.sqrt(m.head_size), "init_scheme": m.init_scheme,
         "init_std": meta.init_stds(), "flops_per_token": plan.flops_per_token,
         "train_name_settings": plan.train_name_settings,
-        "n_params_law": law, "n_params_law_deviation": law / plan.non_embedding_params - 1.0,
+        "n_params_law": law, "n_params_law_deviation": law / meta.num_params(active=True) - 1.0,  # MoE: its active parameters
         "notes": dry_run_notes(cfg),
     }
 
@@ -585,7 +591,8 @@ class Trainer:
                 with self.autocast():
                     logits = self.forward(strategy.model, batch[:, :-1])
                 loss = self.loss_fn(logits, batch[:, 1:], cfg.label_smoothing)
-                strategy.backward(loss, micro)
+                aux = unwrap(strategy.model).aux_loss  # a mixture of experts' balancing losses (None without)
+                strategy.backward(loss if aux is None else loss + aux, micro)
             loss_sum += loss.detach()  # no .item() here: it would sync the GPU every micro-batch
         train_loss = self.env.mean(loss_sum.double() / plan.grad_accum)  # the global batch's, on every rank
         outcome = strategy.clip_and_step(apply=math.isfinite(train_loss))  # the guard: see _on_nonfinite
