@@ -15,7 +15,7 @@ Follows ArchScale's MoE (github.com/microsoft/ArchScale, `lit_gpt/moe.py` at its
   logs it: default 0). Both are statistics of this process's tokens and are appended to `ctx.aux_losses`.
 - dropless: every token reaches its k experts (no capacity factor, so no token is ever dropped).
 
-Expert parallelism (`train/expert_parallel.py`) sets `ep_group`: this rank then holds experts
+Expert parallelism (`train/expert_parallel.py`) calls `shard_experts`: this rank then holds experts
 [rank * E/N, (rank + 1) * E/N) and exchanges tokens with all-to-all; the result is the single-process one.
 """
 
@@ -104,8 +104,16 @@ class MoE(nn.Module):
         self.w1 = GroupedLinear(o.n_experts, config.n_embd, 2 * hidden)
         self.w3 = GroupedLinear(o.n_experts, hidden, config.n_embd)
         self.shared = SwiGLU(config.n_embd, o.n_shared * hidden, bias=config.bias) if o.n_shared else None
-        self.ep_group = None  # set by train/expert_parallel.py
-        self.ep_size, self.ep_rank = 1, 0
+        self.ep_dispatch = None  # expert parallelism (train/expert_parallel.py): sends tokens to their experts' ranks
+        self.n_local = o.n_experts  # experts held here
+
+    def shard_experts(self, rank: int, size: int, dispatch, distribute) -> None:
+        """Expert parallelism over `size` ranks: `distribute` turns each (E, ...) weight into a DTensor whose local
+        shard holds experts [rank E/size, (rank+1) E/size); `dispatch(run, xs, counts, n_local)` exchanges tokens."""
+        if self.n_experts % size:
+            raise UserError(f"--ep {size} must divide the {self.n_experts} experts")
+        self.w1.weight, self.w3.weight = distribute(self.w1.weight), distribute(self.w3.weight)
+        self.ep_dispatch, self.n_local = dispatch, self.n_experts // size
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.router.weight, 0.0, ROUTER_STD)
@@ -136,11 +144,13 @@ class MoE(nn.Module):
         token_of = order // self.top_k
         counts = torch.bincount(top_idx.flatten(), minlength=self.n_experts)
         xs = flat[token_of]
-        if self.ep_group is None:
-            ys = run_experts(xs, counts.tolist(), self.w1.weight, self.w3.weight, list(range(self.n_experts)))
-        else:
-            from archscale.train.expert_parallel import dispatch_to_experts
-            ys = dispatch_to_experts(self, xs, counts)
+        w1, w3 = self.w1.weight, self.w3.weight
+        if self.ep_dispatch is None:
+            ys = run_experts(xs, counts.tolist(), w1, w3, list(range(self.n_experts)))
+        else:  # this rank's experts: the local shards of DTensors
+            w1, w3 = w1.to_local(), w3.to_local()
+            ys = self.ep_dispatch(lambda x, seg_counts, seg_experts: run_experts(x, seg_counts, w1, w3, seg_experts),
+                                  xs, counts, self.n_local)
         ys = (ys.float() * gates.flatten()[order, None]).to(ys.dtype)
         out = ys.new_zeros(flat.shape[0], C).index_add_(0, token_of, ys)
         if self.shared is not None:
