@@ -267,3 +267,16 @@ def test_moe_beats_its_dense_twin_on_a_memorisation_task():
     assert moe_active == dense_active + 16 * 8  # the router is the only extra active weight
     print(f"dense {dense:.4f} moe {moe:.4f}")
     assert moe < 0.5 * dense
+
+
+def test_experts_without_tokens_stay_in_the_autograd_graph():
+    """A rank may receive no token for its experts (expert parallelism); its backward must still reach the
+    all-to-all that sent them, so an empty dispatch keeps a graph to the input and the weights."""
+    from archscale.models.mixers.moe import run_experts
+
+    x = torch.randn(0, 8, requires_grad=True)
+    w1, w3 = torch.randn(2, 12, 8, requires_grad=True), torch.randn(2, 8, 6, requires_grad=True)
+    y = run_experts(x, [0, 0], w1, w3, [0, 1])
+    assert y.shape == (0, 8) and y.grad_fn is not None
+    y.sum().backward()
+    assert x.grad is not None and w1.grad is not None and not w1.grad.any()

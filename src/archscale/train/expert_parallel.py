@@ -50,9 +50,19 @@ class ExpertParallel:
         world = dist.get_world_size()
         self.size, self.world = ep, world
         self.mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("replica", "ep"))
-        self.group = self.mesh.get_group("ep")
-        self.replica_group = self.mesh.get_group("replica")
-        self.rank = self.mesh.get_local_rank("ep")
+        # Groups of our own for the token exchange and the expert-gradient sums: the mesh may hand out the world
+        # group, on which DDP / FSDP2 run their gradient collectives during the same backward, in an order that
+        # need not interleave alike on every rank (gloo needs one order per group)
+        me = dist.get_rank()
+        for g in range(world // ep):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(g * ep, (g + 1) * ep)))
+            if me // ep == g:
+                self.group = group
+        for i in range(ep):
+            group = dist.new_group(list(range(i, world, ep)))
+            if me % ep == i:
+                self.replica_group = group
+        self.rank = me % ep
         self.params: list[nn.Parameter] = []
 
     def shard(self, model: nn.Module) -> list[str]:

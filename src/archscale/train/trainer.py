@@ -40,6 +40,7 @@ from archscale.ops.cross_entropy import select_loss
 from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
 from archscale.train.metrics import Progress, peak_flops
 from archscale.train.optim import param_groups, set_lr
+from archscale.train.expert_parallel import ExpertParallel, check_ep, expert_param_groups
 from archscale.train.parallelize import parallelize, unwrap
 from archscale.train.runlock import RunLock
 from archscale.train.schedule import lr_at
@@ -473,12 +474,15 @@ class Trainer:
         env.barrier()
         model = self._build_model()
         self.groups = param_groups(unwrap(model), *self.plan.group_rules())  # SP: one rule for both groups
+        if self.experts is not None:
+            self.groups = expert_param_groups(self.groups, self.experts.params)
         hps = cfg.base_hps
         self.strategy, ds_cfg = build_strategy(
             env, model, self.groups, lr=self.plan.lr, betas=(hps.beta1_0, hps.beta2_0), eps=hps.eps0,
             accum=self.plan.grad_accum, micro_bsz=cfg.micro_bsz, precision=cfg.precision,
             zero_stage=cfg.zero_stage, offload=cfg.offload,
             universal_from=self.checkpoints.universal_copy(self.resume_from))
+        self.strategy.experts = self.experts
         if ds_cfg is not None and env.is_main:
             (self.out_dir / "deepspeed_config.json").write_text(json.dumps(ds_cfg, indent=1))
         self._build_data()
@@ -499,9 +503,15 @@ class Trainer:
         if cfg.fsdp_save_mem and not cpu_offload:
             self.log("note: --fsdp_save_mem on CPU = activation checkpointing (FSDP2 CPU offload needs a GPU to "
                      "offload from)")
+        self.experts = None
+        if cfg.ep > 1:  # --ep: split the experts before wrapping; DDP / FSDP2 then leave them alone
+            check_ep(cfg.ep, env.world_size, env.strategy)
+            self.experts = ExpertParallel(cfg.ep, env.device)
+            self.experts.shard(model)
         return parallelize(model, env, act_ckpt=cfg.act_ckpt or cfg.fsdp_save_mem,
                            compile=cfg.compile and not cfg.fsdp_save_mem, bf16=cfg.precision == "bf16-mixed",
-                           cpu_offload=cpu_offload)
+                           cpu_offload=cpu_offload,
+                           ignored=frozenset(self.experts.params) if self.experts else frozenset())
 
     def _build_data(self) -> None:
         """One global sample order; rank r takes micro-batches r, r+W, ... (the same global batches whatever the

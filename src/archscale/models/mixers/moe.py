@@ -83,13 +83,14 @@ def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor) -> torch.
 
 def run_experts(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor,
                 expert_of_segment: list[int]) -> torch.Tensor:
-    """x holds consecutive segments of `counts[s]` rows, segment s for local expert `expert_of_segment[s]`."""
+    """x holds consecutive segments of `counts[s]` rows, segment s for local expert `expert_of_segment[s]`. Empty
+    segments run too (0-row matmuls): the autograd graph then has the same shape on every rank, which expert
+    parallelism needs (each rank's backward must reach its all-to-alls even when it received no token)."""
     outs, start = [], 0
     for n, e in zip(counts, expert_of_segment):
-        if n:
-            outs.append(swiglu_expert(x[start:start + n], w1[e], w3[e]))
+        outs.append(swiglu_expert(x[start:start + n], w1[e], w3[e]))
         start += n
-    return torch.cat(outs) if outs else x.new_zeros(0, w3.shape[1])
+    return torch.cat(outs)
 
 
 class MoE(nn.Module):
