@@ -196,6 +196,7 @@ def metrics(run):
         return [r for r in csv.DictReader(f) if r["train_loss"]]
 
 
+@pytest.mark.slow
 def test_pretrain_with_moe_trains_and_backpropagates_the_aux_loss(dataset, tmp_path, capsys):
     """`--moe 4:2` trains through the CLI (loss falls over 6 steps); the logged train_loss is the LM loss (equal at
     step 1 whatever the aux coefficient) while the aux loss reaches the gradient (step 1's grad norm moves)."""

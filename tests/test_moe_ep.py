@@ -61,7 +61,6 @@ def test_ep_composes_with_fsdp_over_replicas_and_reshards_to_one_process(data, m
     torchrun(*driver(tmp_path, [base_args(data, run, "transformer", "--resume", "none", *MOE, "--max_steps", "3",
                                           "--save_interval", "2", "--strategy", "fsdp", "--ep", "2")]), nproc=4)
     (run / "checkpoints" / "step-00000003" / "COMPLETE").unlink()
-    assert_same(run, moe_reference)
     out = subprocess.run([sys.executable, "pretrain.py", *base_args(data, run, "transformer", *MOE)], cwd=ROOT,
                          env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=TIMEOUT)
     text = out.stdout.decode(errors="replace")

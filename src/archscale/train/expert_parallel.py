@@ -15,7 +15,8 @@ expert's gradient on its rank sums the contributions of the N ranks' tokens; `Ex
 over the R replicas and divides by the world size, which is the data-parallel mean the dense gradients get, and
 clips every gradient by the global norm (dense and experts together), as without EP.
 
-A module takes part by having a `shard_experts(rank, size, dispatch)` method (the MoE feed-forward does).
+A module takes part by having `expert_parameters()` and `shard_experts(rank, size, dispatch, distribute)` methods
+(the MoE feed-forward does).
 """
 
 from __future__ import annotations
@@ -67,11 +68,10 @@ class ExpertParallel:
 
     def shard(self, model: nn.Module) -> list[str]:
         """Turn every expert-holding module's experts into (Replicate, Shard(0)) DTensors; returns their names."""
-        before = {id(p) for p in model.parameters()}
         for module in model.modules():
             if hasattr(module, "shard_experts"):
                 module.shard_experts(self.rank, self.size, self.dispatch, self.distribute)
-        self.params = [p for p in model.parameters() if id(p) not in before]
+        self.params = expert_params(model)
         if not self.params:
             raise UserError(f"--ep {self.size}: the model has no experts (add --moe E:k)")
         ids = {id(p) for p in self.params}
@@ -130,9 +130,15 @@ class ExpertParallel:
         return total.float()
 
 
+def expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """Every expert weight of the model (empty for a dense model)."""
+    return [p for m in model.modules() if hasattr(m, "expert_parameters") for p in m.expert_parameters()]
+
+
 def expert_param_groups(groups: list[dict], experts: list[nn.Parameter]) -> list[dict]:
-    """The optimizer groups with the expert DTensors moved to groups of their own (same rules): a fused AdamW
-    step cannot mix DTensors of two meshes, or DTensors and plain tensors, in one group."""
+    """The optimizer groups with the expert weights moved to groups of their own (same rules): a fused AdamW
+    step cannot mix DTensors of two meshes, or DTensors and plain tensors, in one group. Done with and without
+    --ep, so that optimizer checkpoints have the same groups whatever the expert parallelism."""
     ids = {id(p) for p in experts}
     out = []
     for g in groups:

@@ -40,7 +40,7 @@ from archscale.ops.cross_entropy import select_loss
 from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
 from archscale.train.metrics import Progress, peak_flops
 from archscale.train.optim import param_groups, set_lr
-from archscale.train.expert_parallel import ExpertParallel, check_ep, expert_param_groups
+from archscale.train.expert_parallel import ExpertParallel, check_ep, expert_param_groups, expert_params
 from archscale.train.parallelize import parallelize, unwrap
 from archscale.train.runlock import RunLock
 from archscale.train.schedule import lr_at
@@ -474,8 +474,8 @@ class Trainer:
         env.barrier()
         model = self._build_model()
         self.groups = param_groups(unwrap(model), *self.plan.group_rules())  # SP: one rule for both groups
-        if self.experts is not None:
-            self.groups = expert_param_groups(self.groups, self.experts.params)
+        if expert_params(unwrap(model)):  # a mixture of experts: its experts in groups of their own
+            self.groups = expert_param_groups(self.groups, expert_params(unwrap(model)))
         hps = cfg.base_hps
         self.strategy, ds_cfg = build_strategy(
             env, model, self.groups, lr=self.plan.lr, betas=(hps.beta1_0, hps.beta2_0), eps=hps.eps0,

@@ -108,6 +108,10 @@ class MoE(nn.Module):
         self.ep_dispatch = None  # expert parallelism (train/expert_parallel.py): sends tokens to their experts' ranks
         self.n_local = o.n_experts  # experts held here
 
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The per-expert weights (what expert parallelism splits)."""
+        return [self.w1.weight, self.w3.weight]
+
     def shard_experts(self, rank: int, size: int, dispatch, distribute) -> None:
         """Expert parallelism over `size` ranks: `distribute` turns each (E, ...) weight into a DTensor whose local
         shard holds experts [rank E/size, (rank+1) E/size); `dispatch(run, xs, counts, n_local)` exchanges tokens."""
