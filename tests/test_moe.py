@@ -281,3 +281,10 @@ def test_experts_without_tokens_stay_in_the_autograd_graph():
     assert y.shape == (0, 8) and y.grad_fn is not None
     y.sum().backward()
     assert x.grad is not None and w1.grad is not None and not w1.grad.any()
+
+
+def test_an_moe_transformer_is_not_exported_as_llama():
+    from archscale.export.hf import llama_incompatibility
+
+    assert llama_incompatibility(moe_config().replace(name="t")) == "Llama has no equivalent of ffn_kind=moe"
+    assert llama_incompatibility(moe_config().replace(ffn_kind="", mixer_options={})) is None
