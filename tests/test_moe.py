@@ -288,3 +288,22 @@ def test_an_moe_transformer_is_not_exported_as_llama():
 
     assert llama_incompatibility(moe_config().replace(name="t")) == "Llama has no equivalent of ffn_kind=moe"
     assert llama_incompatibility(moe_config().replace(ffn_kind="", mixer_options={})) is None
+
+
+def test_activation_checkpointing_keeps_the_aux_loss_gradient():
+    """--act_ckpt recomputes each block in backward; the auxiliary losses (a side output of the block) still get
+    their gradient: every gradient equals the plain model's (exact, fp32)."""
+    import copy
+
+    from archscale.train.parallelize import apply_act_ckpt
+
+    torch.manual_seed(0)
+    plain = GPT(moe_config(depth=2, moe=dict(aux_coef=1.0, z_coef=0.1)))
+    ckpt = copy.deepcopy(plain)
+    apply_act_ckpt(ckpt)
+    x = torch.randint(0, 97, (2, 17))
+    for m in (plain, ckpt):
+        logits = m(x[:, :-1])
+        (F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten()) + m.aux_loss).backward()
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=name)
