@@ -107,8 +107,9 @@ def init_stds(model: nn.Module) -> dict[str, float]:
 
 
 def flops_breakdown(model: nn.Module, seq_len: int) -> dict[str, float]:
-    """Forward FLOPs per token by term: "matmul" = 2 x every matmul weight a token uses (scheme/output
-    roles, lm_head included, a mixture of experts' k of E experts; the embedding is a lookup), plus each layer's mixer terms (attention scores, scans, convs)."""
+    """Forward FLOPs per token by term: "matmul" = 2 x every matmul weight a token uses (scheme/output roles,
+    lm_head included, a mixture of experts' k of E experts; the embedding is a lookup), plus each layer's mixer
+    terms (attention scores, scans, convs; a mixture of experts' router)."""
     cfg = model.config
     matmul = cfg.padded_vocab_size * cfg.n_embd
     for name, p, role in named_roles(model):

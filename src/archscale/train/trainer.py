@@ -161,7 +161,8 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
         "attn_scale": m.attn_scale_mult / math.sqrt(m.head_size), "init_scheme": m.init_scheme,
         "init_std": meta.init_stds(), "flops_per_token": plan.flops_per_token,
         "train_name_settings": plan.train_name_settings,
-        "n_params_law": law, "n_params_law_deviation": law / meta.num_params(active=True) - 1.0,  # MoE: its active parameters
+        # the law against the active parameters (all of them for a dense model; k of E experts for an MoE)
+        "n_params_law": law, "n_params_law_deviation": law / meta.num_params(active=True) - 1.0,
         "notes": dry_run_notes(cfg),
     }
 
