@@ -167,6 +167,9 @@ class ModelConfig:
     sliding_window: int = 0
     nope: bool = False
     use_da: bool = False
+    # Feed-forward kind replacing the layout's plain "mlp" layers in every architecture, e.g. "moe" (a mixture of
+    # experts, options in mixer_options["moe"]); "" keeps the layout's. GMU-memory layers ("mlp_mem") stay dense.
+    ffn_kind: str = ""
     # Per-mixer fields, {mixer name: {field: value}} over the defaults each mixer declares (models/mixers/),
     # e.g. {"mamba": {"d_state": 16}}.
     mixer_options: dict = field(default_factory=dict)
@@ -281,7 +284,8 @@ class ModelConfig:
 
     @property
     def ffn_kinds(self) -> list[str]:
-        return ARCHITECTURES[self.arch].ffn_layout(self.n_layer)
+        kinds = ARCHITECTURES[self.arch].ffn_layout(self.n_layer)
+        return [self.ffn_kind if self.ffn_kind and k == "mlp" else k for k in kinds]
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return replace(self, **changes)

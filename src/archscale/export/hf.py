@@ -46,7 +46,8 @@ def llama_incompatibility(cfg: ModelConfig) -> str | None:
     if cfg.arch != "transformer" or set(cfg.layer_kinds) != {"attn"}:
         return f"only the Transformer++ ('transformer') is a Llama, not {cfg.arch!r}"
     checks = {"norm_class": cfg.norm_class != "rmsnorm", "attn_bias": cfg.attn_bias, "nope": cfg.nope,
-              "use_da": cfg.use_da, "rope_scaling": cfg.rope_scaling != 1.0}
+              "use_da": cfg.use_da, "rope_scaling": cfg.rope_scaling != 1.0,
+              "ffn_kind": set(cfg.ffn_kinds) != {"mlp"}}  # a mixture of experts is not a Llama MLP
     odd = [f"{k}={getattr(cfg, k)}" for k, bad in checks.items() if bad]
     return f"Llama has no equivalent of {', '.join(odd)}" if odd else None
 

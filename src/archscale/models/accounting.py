@@ -107,13 +107,14 @@ def init_stds(model: nn.Module) -> dict[str, float]:
 
 
 def flops_breakdown(model: nn.Module, seq_len: int) -> dict[str, float]:
-    """Forward FLOPs per token by term: "matmul" = 2 x every matmul weight (scheme/output roles, lm_head
-    included; the embedding is a lookup), plus each layer's mixer terms (attention scores, scans, convs)."""
+    """Forward FLOPs per token by term: "matmul" = 2 x every matmul weight a token uses (scheme/output roles,
+    lm_head included, a mixture of experts' k of E experts; the embedding is a lookup), plus each layer's mixer
+    terms (attention scores, scans, convs; a mixture of experts' router)."""
     cfg = model.config
     matmul = cfg.padded_vocab_size * cfg.n_embd
     for name, p, role in named_roles(model):
         if role.init in ("scheme", "output"):
-            matmul += p.numel()
+            matmul += p.numel() * active_fraction(cfg, name)
     terms = {"matmul": 2.0 * matmul}
     for i in range(cfg.n_layer):
         for slot, kind in (("mixer", cfg.layer_kinds[i]), ("ffn", cfg.ffn_kinds[i])):
@@ -122,11 +123,18 @@ def flops_breakdown(model: nn.Module, seq_len: int) -> dict[str, float]:
     return terms
 
 
-def num_params(model: nn.Module, non_embedding: bool = True) -> int:
-    """Parameters; non_embedding excludes the token embedding and lm_head (tied or not)."""
-    total = 0
+def active_fraction(config: ModelConfig, name: str) -> float:
+    """The fraction of parameter `name` one token uses (`MixerSpec.active`; 1 outside mixers)."""
+    spec, rel = owner(config, name)
+    return 1.0 if spec is None else spec.active(config, rel)
+
+
+def num_params(model: nn.Module, non_embedding: bool = True, active: bool = False) -> int:
+    """Parameters; non_embedding excludes the token embedding and lm_head (tied or not); `active` counts only
+    what one token uses (a mixture of experts: its k of E routed experts)."""
+    total = 0.0
     for name, p in model.named_parameters():  # tied weights are listed once
         if non_embedding and clean_name(name) in ("wte.weight", "lm_head.weight"):
             continue
-        total += p.numel()
-    return total
+        total += p.numel() * (active_fraction(model.config, name) if active else 1.0)
+    return round(total)

@@ -31,6 +31,7 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.aux_loss: torch.Tensor | None = None  # set by forward (see there)
         # YOCO: the cross-decoder (the layers after the one KV layer) needs only the last prompt position at
         # prefill: its layers keep no state of their own
         self.cross_start = config.cross_decoder_start
@@ -77,6 +78,8 @@ class GPT(nn.Module):
                 if cos is not None:
                     ctx.cos, ctx.sin = cos[-1:], sin[-1:]
             x = block(x, ctx)
+        # the weighted training losses layers added (a mixture of experts' load balancing); the trainer adds it
+        self.aux_loss = sum(ctx.aux_losses) if ctx.aux_losses else None
         if last_only:
             x = x[:, -1:]
         if cache is not None:
@@ -138,9 +141,10 @@ class GPT(nn.Module):
         return accounting.init_stds(self)
 
     # ------------------------------------------------------------------------------------------------ counts
-    def num_params(self, non_embedding: bool = True) -> int:
-        """Parameters; non_embedding excludes the token embedding and lm_head (tied or not)."""
-        return accounting.num_params(self, non_embedding)
+    def num_params(self, non_embedding: bool = True, active: bool = False) -> int:
+        """Parameters; non_embedding excludes the token embedding and lm_head (tied or not); `active` counts only
+        the parameters one token uses (a mixture of experts: k of its E routed experts)."""
+        return accounting.num_params(self, non_embedding, active)
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
         """Analytic FLOPs per token (`accounting.flops_breakdown`): 2 x every matmul weight (lm_head included)

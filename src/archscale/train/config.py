@@ -44,6 +44,12 @@ class PretrainConfig:
     label_smoothing: float = 0.0  # cross-entropy label smoothing in [0, 1)
     loss: str = "auto"  # auto | plain | chunked (linear CE over token chunks); auto: chunked above 100K vocab
 
+    moe: Optional[str] = None  # E:k = a mixture of E experts, k per token, as every layer's feed-forward (e.g. 8:2)
+    moe_shared: int = 0  # --moe: shared experts every token also uses
+    moe_aux_coef: float = 1e-3  # --moe: Switch load-balancing loss coefficient (ArchScale's 1e-3)
+    moe_z_coef: float = 0.0  # --moe: router z-loss coefficient (ST-MoE uses 1e-3)
+    ep: int = 1  # expert parallelism: each group of --ep ranks splits the experts and exchanges tokens (all-to-all)
+
     precision: str = "bf16-mixed"  # fp32 | bf16-mixed | fp16-mixed (dynamic loss scaling; for GPUs)
     fp16_scale_window: int = 1000  # fp16-mixed: clean steps before the loss scale doubles
     curriculum: str = "none"  # none | seqlen:start=S,steps=N[,schedule=linear|root]
@@ -206,12 +212,30 @@ def validate(cfg: PretrainConfig) -> None:
     for ok, msg in checks:
         if not ok:
             raise UserError(msg)
+    moe_options(cfg)
     check_strategy(cfg.strategy)
     parse_curriculum(cfg.curriculum, cfg.ctx_len)
     check_deepspeed_options(cfg.zero_stage, cfg.offload)
     rope_scaling_factor(cfg.rope_scaling)
     from archscale.train.loggers import parse_logger_names
     parse_logger_names(cfg.logger)
+
+
+def moe_options(cfg: PretrainConfig) -> dict | None:
+    """`--moe E:k` (+ --moe_shared, coefficients) -> the moe mixer's options; None without --moe."""
+    if cfg.moe is None:
+        if cfg.ep != 1:
+            raise UserError(f"--ep {cfg.ep} splits the experts of a mixture of experts: add --moe E:k")
+        return None
+    experts, _, k = str(cfg.moe).partition(":")
+    if not (experts.isdigit() and k.isdigit() and 1 <= int(k) <= int(experts)):
+        raise UserError(f"--moe {cfg.moe!r}: use E:k with 1 <= k <= E, e.g. --moe 8:2")
+    if cfg.moe_shared < 0 or cfg.moe_aux_coef < 0 or cfg.moe_z_coef < 0:
+        raise UserError("--moe_shared, --moe_aux_coef and --moe_z_coef must be >= 0")
+    if cfg.ep < 1 or int(experts) % cfg.ep:
+        raise UserError(f"--ep {cfg.ep} must be >= 1 and divide the {experts} experts of --moe {cfg.moe}")
+    return dict(n_experts=int(experts), top_k=int(k), n_shared=cfg.moe_shared, aux_coef=cfg.moe_aux_coef,
+                z_coef=cfg.moe_z_coef)
 
 
 def rope_scaling_factor(spec: str) -> float:

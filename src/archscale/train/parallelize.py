@@ -52,32 +52,38 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
         block.compile(backend=backend, fullgraph=fullgraph)
 
 
-def apply_fsdp(model: nn.Module, bf16: bool, cpu_offload: bool) -> None:
+def apply_fsdp(model: nn.Module, bf16: bool, cpu_offload: bool, ignored: frozenset = frozenset()) -> None:
     """FSDP2: every block is its own unit (all-gathered just before use, resharded after), then the root
-    (embedding, final norm, head)."""
+    (embedding, final norm, head). `ignored` parameters (expert-parallel experts) stay as they are."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    skip = dict(ignored_params=set(ignored)) if ignored else {}
     for block in model.blocks:
-        fully_shard(block, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mp_policy=mp, offload_policy=offload)
+        fully_shard(block, mp_policy=mp, offload_policy=offload, **skip)
+    fully_shard(model, mp_policy=mp, offload_policy=offload, **skip)
 
 
 def parallelize(model: nn.Module, env: DistEnv, *, act_ckpt: bool = False, compile: bool = False,
-                bf16: bool = False, cpu_offload: bool = False) -> nn.Module:
+                bf16: bool = False, cpu_offload: bool = False, ignored: frozenset = frozenset()) -> nn.Module:
     """Apply the memory savers and the strategy's wrapping; returns the module to call (DDP wraps, FSDP2 and
-    the rest work in place). DeepSpeed's engine is built afterwards by the trainer."""
+    the rest work in place). DeepSpeed's engine is built afterwards by the trainer. DDP and FSDP2 leave the
+    `ignored` parameters alone (expert parallelism reduces those itself)."""
     if act_ckpt:
         apply_act_ckpt(model)
     if compile:
         apply_compile(model)
     if env.strategy == "fsdp":
-        apply_fsdp(model, bf16=bf16, cpu_offload=cpu_offload)
+        apply_fsdp(model, bf16=bf16, cpu_offload=cpu_offload, ignored=ignored)
     elif env.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if ignored:
+            ids = {id(p) for p in ignored}
+            DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, p in model.named_parameters()
+                                                                    if id(p) in ids])
         # gradients as views into DDP's all-reduce buckets: without it DDP keeps a second copy of every gradient
         # (4 B/param in fp32; measured in benchmarks/zero_stages.py)
         model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,

@@ -43,6 +43,7 @@ class Strategy:
     clipping norm is then a DTensor made whole by `full_tensor`)."""
 
     name = "single"
+    experts = None  # expert parallelism (train/expert_parallel.ExpertParallel), set by the trainer with --ep
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accum: int,
                  scaler: Optional[torch.amp.GradScaler] = None):
@@ -63,7 +64,10 @@ class Strategy:
         opt, scaler = self.optimizer, self.scaler
         if scaler is not None:
             scaler.unscale_(opt)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP_NORM)
+        if self.experts is not None:  # --ep: finishes the expert gradients, clips by the global norm
+            norm = self.experts.clip(self.model, CLIP_NORM)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP_NORM)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         finite = math.isfinite(grad_norm)
         if scaler is not None:

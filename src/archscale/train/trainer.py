@@ -32,7 +32,7 @@ from archscale.errors import NonFiniteError, UserError
 from archscale.models.model import GPT
 from archscale.scaling_rules import RoleRule, default_tokens, resolve_batch_and_lr, resolve_parametrization
 from archscale.train import checkpoint as ckpt
-from archscale.train.config import PretrainConfig, apply_train_name, rope_scaling_factor, validate
+from archscale.train.config import PretrainConfig, apply_train_name, moe_options, rope_scaling_factor, validate
 from archscale.train.curriculum import cut_batch, parse_curriculum
 from archscale.train.deepspeed_engine import to_universal
 from archscale.train.distributed import DistEnv
@@ -42,6 +42,7 @@ from archscale.ops.cross_entropy import select_loss
 from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
 from archscale.train.metrics import Progress, peak_flops
 from archscale.train.optim import param_groups, set_lr
+from archscale.train.expert_parallel import ExpertParallel, check_ep, expert_param_groups, expert_params
 from archscale.train.parallelize import parallelize, unwrap
 from archscale.train.runlock import RunLock
 from archscale.train.schedule import lr_at
@@ -102,6 +103,8 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
     sizes = ModelConfig.from_arch(cfg.train_model, cfg.depth, ar=cfg.ar, vocab_size=int(vocab),
                                   block_size=cfg.ctx_len, rope_base=cfg.rope_base, tie_embeddings=tie,
                                   rope_scaling=rope_scaling_factor(cfg.rope_scaling))
+    if moe_options(cfg) is not None:  # --moe: every plain feed-forward becomes a mixture of experts
+        sizes = sizes.replace(ffn_kind="moe", mixer_options={**sizes.mixer_options, "moe": moe_options(cfg)})
     rules = resolve_parametrization(cfg.parametrization, hps, cfg.depth, sizes.n_layer, sizes.head_size, tie=tie)
     model_cfg = sizes.replace(**rules.model_overrides())
     batch, accum, lr = resolve_batch_and_lr(hps, cfg.micro_bsz, cfg.ctx_len, world_size)
@@ -119,6 +122,8 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
              f"warming up for {new} of {max_steps} steps (10%) instead. Set --base_hps.warmup_tokens0 to choose.")
         warmup = new
     run_name = f"{cfg.train_name}_{cfg.train_model}_d{cfg.depth}_ctx{cfg.ctx_len}"
+    if cfg.moe:  # keeps an MoE run's default run dir apart from its dense twin's
+        run_name += "_moe" + str(cfg.moe).replace(":", "k") + (f"s{cfg.moe_shared}" if cfg.moe_shared else "")
     with torch.device("meta"):
         meta = GPT(model_cfg)
     plan = Plan(run_name=run_name, out_dir=cfg.out_dir or str(Path("runs") / run_name), vocab_size=int(vocab),
@@ -148,6 +153,8 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
         "head_size": m.head_size, "intermediate_size": m.intermediate_size, "vocab_size": m.vocab_size,
         "padded_vocab_size": m.padded_vocab_size, "tie_embeddings": m.tie_embeddings,
         "n_params": meta.num_params(non_embedding=False), "n_params_non_embedding": plan.non_embedding_params,
+        "n_params_active": meta.num_params(non_embedding=False, active=True),
+        "n_params_active_non_embedding": meta.num_params(active=True), "ffn_kinds": sorted(set(m.ffn_kinds)),
         "ctx_len": cfg.ctx_len, "micro_bsz": cfg.micro_bsz, "world_size": world_size,
         "batch_tokens": plan.batch_tokens, "grad_accum": plan.grad_accum, "max_tokens": plan.total_tokens,
         "optimizer_steps": plan.max_steps, "warmup_steps": plan.warmup_steps,
@@ -158,7 +165,8 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
         "attn_scale": m.attn_scale_mult / math.sqrt(m.head_size), "init_scheme": m.init_scheme,
         "init_std": meta.init_stds(), "flops_per_token": plan.flops_per_token,
         "train_name_settings": plan.train_name_settings,
-        "n_params_law": law, "n_params_law_deviation": law / plan.non_embedding_params - 1.0,
+        # the law against the active parameters (all of them for a dense model; k of E experts for an MoE)
+        "n_params_law": law, "n_params_law_deviation": law / meta.num_params(active=True) - 1.0,
         "notes": dry_run_notes(cfg),
     }
 
@@ -472,12 +480,15 @@ class Trainer:
         env.barrier()
         model = self._build_model()
         self.groups = param_groups(unwrap(model), *self.plan.group_rules())  # SP: one rule for both groups
+        if expert_params(unwrap(model)):  # a mixture of experts: its experts in groups of their own
+            self.groups = expert_param_groups(self.groups, expert_params(unwrap(model)))
         hps = cfg.base_hps
         self.strategy, ds_cfg = build_strategy(
             env, model, self.groups, lr=self.plan.lr, betas=(hps.beta1_0, hps.beta2_0), eps=hps.eps0,
             accum=self.plan.grad_accum, micro_bsz=cfg.micro_bsz, precision=cfg.precision,
             zero_stage=cfg.zero_stage, offload=cfg.offload, fp16_scale_window=cfg.fp16_scale_window,
             universal_from=self.checkpoints.universal_copy(self.resume_from))
+        self.strategy.experts = self.experts
         if ds_cfg is not None and env.is_main:
             (self.out_dir / "deepspeed_config.json").write_text(json.dumps(ds_cfg, indent=1))
         self._build_data()
@@ -498,9 +509,15 @@ class Trainer:
         if cfg.fsdp_save_mem and not cpu_offload:
             self.log("note: --fsdp_save_mem on CPU = activation checkpointing (FSDP2 CPU offload needs a GPU to "
                      "offload from)")
+        self.experts = None
+        if cfg.ep > 1:  # --ep: split the experts before wrapping; DDP / FSDP2 then leave them alone
+            check_ep(cfg.ep, env.world_size, env.strategy)
+            self.experts = ExpertParallel(cfg.ep, env.device)
+            self.experts.shard(model)
         return parallelize(model, env, act_ckpt=cfg.act_ckpt or cfg.fsdp_save_mem,
                            compile=cfg.compile and not cfg.fsdp_save_mem, bf16=cfg.precision == "bf16-mixed",
-                           cpu_offload=cpu_offload)
+                           cpu_offload=cpu_offload,
+                           ignored=frozenset(self.experts.params) if self.experts else frozenset())
 
     def _build_data(self) -> None:
         """One global sample order; rank r takes micro-batches r, r+W, ... (the same global batches whatever the
@@ -603,7 +620,8 @@ class Trainer:
                 with self.autocast():
                     logits = self.forward(strategy.model, inputs)
                 loss = self.loss_fn(logits, targets, cfg.label_smoothing)
-                strategy.backward(loss, micro)
+                aux = unwrap(strategy.model).aux_loss  # a mixture of experts' balancing losses (None without)
+                strategy.backward(loss if aux is None else loss + aux, micro)
             loss_sum += loss.detach()  # no .item() here: it would sync the GPU every micro-batch
         train_loss = self.env.mean(loss_sum.double() / plan.grad_accum)  # the global batch's, on every rank
         outcome = strategy.clip_and_step(apply=math.isfinite(train_loss))  # the guard: see _on_nonfinite

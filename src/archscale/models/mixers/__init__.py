@@ -10,6 +10,7 @@ MODULES = (
     "gmu",
     "gated_deltanet",
     "swiglu",
+    "moe",
 )
 
 for _name in MODULES:

@@ -14,6 +14,7 @@ A mixer module builds `nn.Module`s that map `(x, ctx) -> y` (x, y: (B, T, n_embd
 - `varlen`: how it honours document masks (`ctx.doc_ids`);
 - `memory_width(config, kind)`: for kinds that export GMU memory, the memory's width (else 0);
 - `kernels`: optional fast kernels, each with its pure-PyTorch reference and the test that compares them;
+- `active(config, rel)`: the fraction of a parameter one token uses (a mixture of experts: top_k / n_experts);
 - `tests`: the reference tests ("tests/file.py::test_name") that check it against a naive implementation.
 
 The feed-forward of a block is a component of the same kind (slot "ffn"); a mixer has slot "mixer".
@@ -92,6 +93,9 @@ class MixerSpec:
     slot: str = "mixer"
     # std of a "scheme" weight under mu-P when its module's own init is not PyTorch's Linear default (else None)
     mup_init_std: Callable[[ModelConfig, str], Optional[float]] = lambda config, rel: None
+    # fraction of a parameter (by relative name) that one token uses: 1 for dense layers, top_k / n_experts for a
+    # mixture of experts' expert weights; FLOPs per token and the dry run's active parameters read it
+    active: Callable[[ModelConfig, str], float] = lambda config, rel: 1.0
 
     def role_of(self, rel_name: str) -> Optional[Role]:
         for pattern, role in self.roles:
@@ -169,6 +173,9 @@ class ForwardContext:
     # which the YOCO KV layer shares as shared_kv_mask (B, 1, 1, T_kv)
     row_pos: Optional[torch.Tensor] = None
     shared_kv_mask: Optional[torch.Tensor] = None
+    # training losses that components add to the LM loss, already weighted (MoE load balancing, router z-loss);
+    # GPT.forward sums them into `GPT.aux_loss`
+    aux_losses: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # per-forward values a mixer family shares (e.g. cached doc resets)
 
     def state(self, layer_idx: int, make: Callable[[], Any]) -> Any:
