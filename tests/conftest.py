@@ -1,4 +1,5 @@
 import json
+import os
 
 import numpy as np
 import pytest
@@ -62,3 +63,38 @@ def tiny_runs(tmp_path_factory):
                      "--precision", "fp32", "--resume", "none"]) == 0
         out[arch] = d / arch
     return out
+
+
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR")
+
+
+@pytest.fixture(autouse=True)
+def _restore_distributed_env():
+    """An in-process DeepSpeed run gets RANK / WORLD_SIZE / LOCAL_RANK in os.environ (train.distributed.setup);
+    left behind, they make later libraries (accelerate, under lm-eval's HF model) believe they run under torchrun."""
+    saved = {k: os.environ.get(k) for k in _DIST_ENV}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def deepspeed_one_rank_group():
+    """A one-process gloo group shared by a module's in-process DeepSpeed runs (pretrain() reuses a group it did
+    not create and leaves it alone). DeepSpeed caches groups derived from the default one (a clone of the world group, ...):
+    they are dropped at teardown, or the next test's DeepSpeed would use groups of a destroyed default group."""
+    import torch.distributed as dist
+
+    pytest.importorskip("deepspeed")
+    from deepspeed.utils import groups
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    for name, value in list(vars(groups).items()):
+        if "GROUP" in name and isinstance(value, (dict, dist.ProcessGroup)):
+            setattr(groups, name, {} if isinstance(value, dict) else None)
+    groups.mesh_device = None

@@ -101,13 +101,8 @@ def test_native_scale_trajectory_guard_and_bitwise_resume(dataset, tmp_path, ove
 
 
 @pytest.fixture(scope="module")
-def one_rank_group():
-    import torch.distributed as dist
-
-    pytest.importorskip("deepspeed")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+def one_rank_group(deepspeed_one_rank_group):
+    """DeepSpeed's one-process group, shared by this module's runs (tests/conftest.py)."""
 
 
 def _deepspeed_fp16_available() -> bool:

@@ -253,15 +253,8 @@ def test_varlen_eos_id_for_shards_without_manifest(dataset, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def one_rank_group():
-    """DeepSpeed keeps its own handle on the process group, so its runs in one process share one group (as in
-    test_distributed's driver); pretrain() reuses a group it did not create and leaves it alone."""
-    import torch.distributed as dist
-
-    pytest.importorskip("deepspeed")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+def one_rank_group(deepspeed_one_rank_group):
+    """DeepSpeed's one-process group, shared by this module's runs (tests/conftest.py)."""
 
 
 @pytest.mark.slow
