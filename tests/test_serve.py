@@ -273,18 +273,36 @@ def test_plain_request_whose_client_leaves_is_cancelled(server):
 
 
 def test_full_queue_answers_503(tok):
+    """One slot, one queue place: a third request is refused. The engine's decode step is held on an event while
+    the requests arrive, so the first sequence keeps its slot however fast or slow the machine is (an ungated
+    stream could finish, or fill its socket and be dropped as departed, before the third request came)."""
     model = tiny_model("transformer", tok.vocab_size)
-    with running_server(model, tok, max_model_len=4096, max_batch=1, max_queue=1) as (url, engine):
-        long = {"prompt": "x", "max_tokens": 4000, "stream": True, "ignore_eos": True}
-        with httpx.Client(base_url=url, timeout=60) as a, httpx.Client(base_url=url, timeout=60) as b, \
-                httpx.Client(base_url=url, timeout=60) as c:
-            with a.stream("POST", "/v1/completions", json=long) as r1:
-                next(r1.iter_lines())  # running: it holds the only slot
-                with b.stream("POST", "/v1/completions", json=long) as r2:
-                    assert r2.status_code == 200
-                    assert wait_for(lambda: engine.stats()["waiting"] == 1)
-                    r3 = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
-                    assert r3.status_code == 503 and r3.json()["error"]["type"] == "server_overloaded"
+    with running_server(model, tok, max_model_len=512, max_batch=1, max_queue=1) as (url, engine):
+        release = threading.Event()
+        step = engine._step
+
+        def held_step():
+            release.wait(timeout=60)
+            step()
+
+        engine._step = held_step  # the loop calls self._step: the instance attribute wins
+        req = {"prompt": "x", "max_tokens": 20, "stream": True, "ignore_eos": True}
+        try:
+            with httpx.Client(base_url=url, timeout=60) as a, httpx.Client(base_url=url, timeout=60) as b, \
+                    httpx.Client(base_url=url, timeout=60) as c:
+                with a.stream("POST", "/v1/completions", json=req) as r1:
+                    # admitted and prefilled: the only slot is taken (not "its first line came": a token that ends
+                    # inside a UTF-8 character sends no text, and the next one waits for the held step)
+                    assert wait_for(lambda: engine.stats()["active"] == 1)
+                    with b.stream("POST", "/v1/completions", json=req) as r2:
+                        assert r2.status_code == 200
+                        assert wait_for(lambda: engine.stats()["waiting"] == 1)
+                        r3 = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                        assert r3.status_code == 503 and r3.json()["error"]["type"] == "server_overloaded"
+                        release.set()
+                        assert [line for line in r2.iter_lines() if line][-1] == "data: [DONE]"  # then it ran
+        finally:
+            release.set()
         assert wait_for(lambda: engine.stats()["active"] == 0 and engine.stats()["waiting"] == 0)
 
 
