@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import archscale.kernels.scan_cpu as scan_cpu
 import archscale.kernels.selective_scan as ss
 from archscale.kernels.selective_scan import selective_scan, selective_state_update
 
@@ -54,15 +55,35 @@ def assert_close(got, want, rtol, atol_scale):
 OPTIONALS = [(), ("D",), ("z",), ("delta_bias",), ("initial_state",), ("D", "z", "delta_bias", "initial_state")]
 
 
-@pytest.mark.parametrize("shape", [(2, 6, 4, 1), (1, 3, 16, 7), (2, 5, 3, 32), (3, 4, 2, 33), (2, 8, 16, 70)])
-@pytest.mark.parametrize("use", OPTIONALS, ids=lambda u: "+".join(u) or "plain")
-def test_chunked_matches_ref_fp32(shape, use, monkeypatch):
-    # chunks of 4 in blocks of 12: several chunks and blocks, a padded ragged end, and L < chunk
+def small_blocks(monkeypatch):
+    """Chunks of 4 in blocks of 12 (chunked path) and blocks of 12 (C++ kernel): several chunks and blocks,
+    a ragged end, and L < chunk, at test sizes."""
     monkeypatch.setattr(ss, "CHUNK", 4)
     monkeypatch.setattr(ss, "BLOCK", 12)
+    monkeypatch.setattr(scan_cpu, "BLOCK", 12)
+
+
+def test_cpu_kernel_builds_where_a_compiler_exists():
+    """The C++ scan is what CPU training runs; with a compiler present it must build (not silently fall back)."""
+    import shutil
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: the chunked path is used")
+    assert scan_cpu.available(), scan_cpu.unavailable_reason()
+
+
+IMPLS = ["chunked", pytest.param("cpu", marks=pytest.mark.skipif(not scan_cpu.available(),
+                                                                 reason="the CPU kernel did not build"))]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", [(2, 6, 4, 1), (1, 3, 16, 7), (2, 5, 3, 32), (3, 4, 2, 33), (2, 8, 16, 70)])
+@pytest.mark.parametrize("use", OPTIONALS, ids=lambda u: "+".join(u) or "plain")
+def test_chunked_matches_ref_fp32(shape, use, impl, monkeypatch):
+    small_blocks(monkeypatch)
     inputs = make_inputs(*shape, seed=sum(shape))
     want = run("ref", inputs, use)
-    got = run("chunked", inputs, use)
+    got = run(impl, inputs, use)
     # fp32: only summation order differs; measured max rel error ~2e-6 on gradients of the longest cases
     assert_close(got, want, rtol=2e-5, atol_scale=1e-6)
 
@@ -77,24 +98,28 @@ def test_chunk_and_block_sizes_do_not_matter(chunk, block, monkeypatch):
     assert_close(run("chunked", inputs, use), want, rtol=2e-5, atol_scale=1e-6)
 
 
-def test_chunked_matches_ref_bf16(monkeypatch):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_matches_ref_bf16(impl, monkeypatch):
     monkeypatch.setattr(ss, "CHUNK", 8)
     inputs = make_inputs(2, 8, 4, 21, seed=3, dtype=torch.bfloat16)
     use = ("D", "z", "delta_bias", "initial_state")
-    want, got = run("ref", inputs, use), run("chunked", inputs, use)
+    want, got = run("ref", inputs, use), run(impl, inputs, use)
     assert got["y"].dtype == torch.bfloat16 and got["grad_u"].dtype == torch.bfloat16
     assert got["last"].dtype == torch.float32
     # both compute in fp32 from the same bf16 inputs; y and the gradients are rounded to bf16 (8 bits) at the end
     assert_close(got, want, rtol=1e-2, atol_scale=1e-3)
 
 
-def test_strong_decay_is_stable(monkeypatch):
-    """dt up to ~60 and |A| up to ~4: dt*A ~ -250 per step; a naive exp(-cumsum(dt*A)) overflows at once."""
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strong_decay_is_stable(impl, monkeypatch):
+    """dt up to ~60 and |A| up to ~4: dt*A ~ -250 per step; a naive exp(-cumsum(dt*A)) overflows at once (and
+    the C++ kernel's exp must give 0 where expf underflows, not garbage)."""
     monkeypatch.setattr(ss, "CHUNK", 8)
     monkeypatch.setattr(ss, "BLOCK", 48)
+    monkeypatch.setattr(scan_cpu, "BLOCK", 48)
     inputs = make_inputs(2, 6, 8, 100, seed=11, dt_scale=20.0, dt_shift=10.0)
     use = ("D", "z", "delta_bias", "initial_state")
-    want, got = run("ref", inputs, use), run("chunked", inputs, use)
+    want, got = run("ref", inputs, use), run(impl, inputs, use)
     assert (F_dt := torch.nn.functional.softplus(inputs["delta"] + inputs["delta_bias"][:, None])).max() > 40
     assert F_dt.min() < 1e-3  # and very weak decay elsewhere
     assert_close(got, want, rtol=2e-5, atol_scale=1e-5)
@@ -185,8 +210,9 @@ def test_cuda_kernel_matches_reference():
 
 
 # ------------------------------------------------------------------------------------- document resets
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("L", [1, 7, 40, 150])
-def test_chunked_with_resets_equals_reference(L):
+def test_chunked_with_resets_equals_reference(L, impl):
     """Variable-length training: the state restarts at every document start; chunked == sequential reference
     (values and every gradient, fp32, 1e-5 relative), and == scanning each document on its own."""
     torch.manual_seed(L)
@@ -199,20 +225,20 @@ def test_chunked_with_resets_equals_reference(L):
     reset[1, L // 2] = True
     inputs = [u, delta, A, B, C, D, z, bias]
     outs = {}
-    for impl in ("ref", "chunked"):
-        y, last = ss.selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=bias, reset=reset, impl=impl,
+    for name in ("ref", impl):
+        y, last = ss.selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=bias, reset=reset, impl=name,
                                     return_last_state=True)
         grads = torch.autograd.grad((y * torch.cos(y)).sum() + last.square().sum(), inputs)
-        outs[impl] = (y, last, grads)
-    torch.testing.assert_close(outs["chunked"][0], outs["ref"][0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(outs["chunked"][1], outs["ref"][1], rtol=1e-5, atol=1e-5)
-    for g1, g2 in zip(outs["chunked"][2], outs["ref"][2]):
+        outs[name] = (y, last, grads)
+    torch.testing.assert_close(outs[impl][0], outs["ref"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[impl][1], outs["ref"][1], rtol=1e-5, atol=1e-5)
+    for g1, g2 in zip(outs[impl][2], outs["ref"][2]):
         torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-5)
     # row 1 from its reset on == that tail scanned alone (nothing flows in from before)
     s = L // 2
     tail = ss.selective_scan(u[1:, :, s:], delta[1:, :, s:], A, B[1:, :, s:], C[1:, :, s:], D=D, z=z[1:, :, s:],
                              delta_bias=bias, reset=reset[1:, s:], impl="ref")
-    torch.testing.assert_close(outs["chunked"][0][1:, :, s:], tail, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[impl][0][1:, :, s:], tail, rtol=1e-5, atol=1e-5)
     # negative control: without resets the tail differs
     if s > 0:
         plain = ss.selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=bias, impl="ref")

@@ -12,7 +12,11 @@ Everything is computed in fp32; ``y`` comes back in ``u``'s dtype, the last stat
 Implementations (``impl=``):
 
 - ``"ref"``: a plain loop over time with differentiable torch ops; the oracle the others are tested against.
-- ``"chunked"``: the CPU default. A custom ``autograd.Function`` over time-major tensors. The sequence is
+- ``"cpu"``: the CPU default when it builds: a fused C++ loop per channel (``scan_cpu.py``,
+  ``csrc/selective_scan_cpu.cpp``), compiled once per machine on first use; 3-5x faster than ``"chunked"``
+  forward + backward, because nothing of size steps x d_inner x d_state is written.
+- ``"chunked"``: the CPU fallback (no C++ compiler or ``ninja``), and the path for tests of the same maths in
+  PyTorch ops. A custom ``autograd.Function`` over time-major tensors. The sequence is
   processed ``BLOCK`` steps at a time (only that block's ``(steps, b, d, n)`` decays and states exist at once;
   just the state entering each block is saved, and backward recomputes the block). Inside a block a two-level
   scan runs: level 1 scans all ``CHUNK``-step chunks at once from a zero state (one in-place ``addcmul`` per
@@ -25,9 +29,10 @@ Implementations (``impl=``):
   on 2 shared cores, where every parallel op waits for a busy neighbour (numbers in docs/BENCHMARKS.md).
 - ``"cuda"``: ``mamba_ssm.ops.selective_scan_interface.selective_scan_fn`` (needs the ``mamba-ssm`` package
   and CUDA tensors; it has no initial state, so a call with ``initial_state`` falls back to ``"chunked"``).
-- ``"auto"`` (default): ``"cuda"`` when mamba-ssm imports and ``u`` is on CUDA, else ``"chunked"``.
+- ``"auto"`` (default): ``"cuda"`` when mamba-ssm imports and ``u`` is on CUDA; on CPU ``"cpu"`` when the kernel
+  builds; else ``"chunked"``.
 
-Environment: ``ARCHSCALE_SCAN_IMPL=ref|chunked|cuda|auto`` replaces ``impl="auto"`` (what the models pass),
+Environment: ``ARCHSCALE_SCAN_IMPL=ref|chunked|cpu|cuda|auto`` replaces ``impl="auto"`` (what the models pass),
 e.g. to force the reference in a debugging run or to keep a GPU run off the CUDA kernel. An explicit ``impl``
 other than ``"auto"`` is never overridden, so tests stay deterministic.
 """
@@ -41,7 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SCAN_IMPLS = ("auto", "ref", "chunked", "cuda")
+from archscale.kernels import scan_cpu as cpu_kernel
+
+SCAN_IMPLS = ("auto", "ref", "chunked", "cpu", "cuda")
 ENV_VAR = "ARCHSCALE_SCAN_IMPL"
 CHUNK = 8     # chunked path: steps per chunk (level-1 scan length; tuned in docs/BENCHMARKS.md)
 BLOCK = 64    # chunked path: steps whose (steps, b, d, n) workspace is materialised at once
@@ -81,7 +88,13 @@ def _resolve_impl(impl: str, u: Tensor, initial_state: Tensor | None, reset: Ten
                                  f"choose one of {', '.join(SCAN_IMPLS)}")
             impl = forced
     if impl == "auto":
-        impl = "cuda" if u.is_cuda and cuda_scan_available() else "chunked"
+        if u.is_cuda:
+            impl = "cuda" if cuda_scan_available() else "chunked"
+        else:
+            impl = "cpu" if cpu_kernel.available() else "chunked"
+    if impl == "cpu" and (u.is_cuda or not cpu_kernel.available()):
+        raise ValueError(f"selective_scan: impl='cpu' needs CPU tensors and the compiled CPU kernel "
+                         f"({cpu_kernel.unavailable_reason() or 'tensors are on CUDA'})")
     if impl == "cuda":
         if not u.is_cuda or _mamba_ssm("selective_scan_fn") is None:
             raise ValueError("selective_scan: impl='cuda' needs the mamba-ssm package and CUDA tensors "
@@ -122,6 +135,8 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
         h0 = None if initial_state is None else initial_state.float()
         if impl == "ref":
             y, last = _scan_ref(uf, dt, A, B, C, h0, reset)
+        elif impl == "cpu":
+            y, last = cpu_kernel.scan(uf, dt, A, B, C, h0, reset)
         else:
             y, last = _scan_chunked(uf, dt, A, B, C, h0, reset)
         if D is not None:
