@@ -280,8 +280,17 @@ def build_pipeline(model: GPT, cfg, env, return_hidden: bool) -> Pipeline:
     pp_rank = env.rank % pp
     n_stages = pp * stages_per_rank(cfg.pp_schedule)
     cut = stage_layers(model.config.n_layer, n_stages, cfg.pp_layers)
-    layout = carried_layout(model, [r.start for r in cut[1:]])
     ids = list(range(pp_rank, n_stages, pp))  # interleaved: stages r, r + pp (torch's looped assignment)
+    stages, shard = make_stages(model, cut, ids, return_hidden)
+    return Pipeline(shard=shard, stages=stages, stage_ids=ids, n_stages=n_stages, pp=pp, dp=world // pp,
+                    pp_rank=pp_rank, pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), cut=cut)
+
+
+def make_stages(model: GPT, cut: list[range], ids: list[int],
+                return_hidden: bool = False) -> tuple[list[StageModule], StageModule]:
+    """The stage modules `ids` of the cut `cut` of `model` (sharing its modules), and their shard."""
+    n_stages = len(cut)
+    layout = carried_layout(model, [r.start for r in cut[1:]])
     stages = []
     for s in ids:
         first, last = s == 0, s == n_stages - 1
@@ -290,12 +299,11 @@ def build_pipeline(model: GPT, cfg, env, return_hidden: bool) -> Pipeline:
                                   lm_head=model.lm_head if last else None,
                                   carry_in=() if first else layout[cut[s].start],
                                   carry_out=() if last else layout[cut[s].stop], return_hidden=return_hidden))
-    blocks = {i: model.blocks[i] for s in ids for i in cut[s]}
-    shard = StageModule(model.config, blocks, wte=model.wte if ids[0] == 0 else None,
-                        ln_f=model.ln_f if ids[-1] == n_stages - 1 else None,
-                        lm_head=model.lm_head if ids[-1] == n_stages - 1 else None)
-    return Pipeline(shard=shard, stages=stages, stage_ids=ids, n_stages=n_stages, pp=pp, dp=world // pp,
-                    pp_rank=pp_rank, pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), cut=cut)
+    has_first, has_last = ids[0] == 0, ids[-1] == n_stages - 1
+    shard = StageModule(model.config, {i: model.blocks[i] for s in ids for i in cut[s]},
+                        wte=model.wte if has_first else None, ln_f=model.ln_f if has_last else None,
+                        lm_head=model.lm_head if has_last else None)
+    return stages, shard
 
 
 def make_schedule(pipe: Pipeline, name: str, n_microbatches: int, loss_fn: Callable, device: torch.device):
@@ -358,7 +366,7 @@ class PipelineStrategy(Strategy):
         if train:
             schedule.step(*args, target=target, losses=losses, return_outputs=False)
         else:
-            schedule.eval(*args, target=target, losses=losses)
+            schedule.eval(*args, target=target, losses=losses, return_outputs=False)
         lm = [self._lm_of[id(loss)] for loss in losses]
         self._lm_of = {}
         total = (torch.stack(lm).sum() if lm else torch.zeros(())).double().to(self.device)
