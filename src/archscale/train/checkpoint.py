@@ -388,9 +388,13 @@ def _optim_options(path: Path) -> StateDictOptions:
     names) unless it was saved by pipeline stages: those hold different parameters, so their group lists
     would collide; they key every group setting by parameter name instead (`flatten_optimizer_state_dict`),
     which loads into any cut of the model, --pp 1 included. A model of pipeline stages needs that form."""
-    keys = safe_io.load_dcp_metadata(path / ".metadata").state_dict_metadata
-    flat = not any(k.startswith("optim.param_groups.") and k.endswith(".params") for k in keys)
-    return StateDictOptions(flatten_optimizer_state_dict=flat)
+    return StateDictOptions(flatten_optimizer_state_dict=optim_keyed_by_name(path))
+
+
+def optim_keyed_by_name(path: Path) -> bool:
+    """Whether the DCP checkpoint at `path` keys its optimizer groups by parameter name (see `_optim_options`)."""
+    keys = safe_io.load_dcp_metadata(Path(path) / ".metadata").state_dict_metadata
+    return not any(k.startswith("optim.param_groups.") and k.endswith(".params") for k in keys)
 
 
 def deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -374,6 +374,10 @@ class RunCheckpoints:
     def load(self, step_dir: Path, strategy: Strategy) -> dict:
         """Model and optimizer state into `strategy`'s objects; returns this rank's train state."""
         module, optimizer, engine = strategy.state_dict_target()
+        if (getattr(strategy, "flat_optimizer_state", False) and not ckpt.is_deepspeed_checkpoint(step_dir)
+                and ckpt.verify_checkpoint(step_dir) is None and not ckpt.optim_keyed_by_name(step_dir)):
+            raise UserError(f"--resume {step_dir}: saved without --pp (optimizer state keyed by group index), it "
+                            "resumes without --pp only (a checkpoint saved with --pp loads with or without it)")
         universal = getattr(strategy, "universal", None)
         state = ckpt.load_checkpoint(step_dir, module, optimizer, rank=self.env.rank, engine=engine, warn=self.log,
                                      ds_universal=universal)
