@@ -10,8 +10,6 @@ after backward instead of the loss before it, the clipping norm summed over stag
 
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
 import torch
@@ -94,9 +92,8 @@ def test_chained_stages_equal_the_model(cut):
 
 
 def _dry(args, world=1):
-    from archscale.train.trainer import dry_run_summary
-
     from archscale.cli import parse_pretrain
+    from archscale.train.trainer import dry_run_summary
 
     cfg, explicit = parse_pretrain(["--vocab_size", "64", *args])
     return dry_run_summary(cfg, explicit, world_size=world, warn=lambda m: None)
