@@ -143,6 +143,20 @@ def test_pipeline_checkpoints_key_optimizer_state_by_name(tmp_path):
         ckpt.load_checkpoint(path, fresh, opt2, warn=lambda m: None)
         for k, v in want.items():
             torch.testing.assert_close(opt2.state[fresh.wte.weight][k], v, rtol=0, atol=0)
+        # a pipeline (whose stages need name-keyed state) refuses the index-keyed form in one line
+        from types import SimpleNamespace
+
+        from archscale.train.distributed import DistEnv
+        from archscale.train.trainer import RunCheckpoints
+
+        pipeline = SimpleNamespace(flat_optimizer_state=True, state_dict_target=lambda: (fresh, opt2, None),
+                                   after_load=lambda env: None)
+        loads = RunCheckpoints(tmp_path, DistEnv(), lambda m: None)
+        if flat:
+            assert loads.load(path, pipeline)["step"] == 1
+        else:
+            with pytest.raises(UserError, match="saved without --pp"):
+                loads.load(path, pipeline)
 
 
 # ------------------------------------------------------------------------------------------- under torchrun
