@@ -84,15 +84,7 @@ class GPT(nn.Module):
             x = x[:, -1:]
         if cache is not None:
             cache.pos = pos + T
-        x = self.ln_f(x)
-        if self.config.logit_scale != 1.0:
-            x = x * self.config.logit_scale
-        if return_hidden:
-            return x, self.lm_head.weight
-        logits = self.lm_head(x)
-        if self.config.padded_vocab_size != self.config.vocab_size:
-            logits = logits[..., : self.config.vocab_size]
-        return logits
+        return output_head(self.config, self.ln_f, self.lm_head, x, return_hidden)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_id: int | None = None,
@@ -151,6 +143,21 @@ class GPT(nn.Module):
         plus each mixer's attention / scan / conv terms. Training = 3x forward."""
         forward = sum(accounting.flops_breakdown(self, seq_len).values())
         return float(3 * forward if training else forward)
+
+
+def output_head(config: ModelConfig, ln_f: nn.Module, lm_head: nn.Linear, x: torch.Tensor,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Final norm -> logit scale -> lm_head (logits cut to the real vocabulary); with `return_hidden`, the scaled
+    hidden state and the head weight instead. Shared with the last pipeline stage (train/pipeline.py)."""
+    x = ln_f(x)
+    if config.logit_scale != 1.0:
+        x = x * config.logit_scale
+    if return_hidden:
+        return x, lm_head.weight
+    logits = lm_head(x)
+    if config.padded_vocab_size != config.vocab_size:
+        logits = logits[..., : config.vocab_size]
+    return logits
 
 
 def non_embedding_params(config: ModelConfig) -> int:

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from archscale.errors import UserError
 from archscale.train import safe_io
@@ -87,9 +87,10 @@ def train_state_name(rank: int) -> str:
 
 def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     train_state: dict[str, Any], config_yaml: str, keep_last: int = 0, rank: int = 0,
-                    barrier: Callable[[], None] = _noop, engine: Any = None) -> Path:
+                    barrier: Callable[[], None] = _noop, engine: Any = None, flat_optim: bool = False) -> Path:
     """Write the checkpoint of `step` atomically. Collective: every rank calls it (with its own rank and the
-    process group's barrier); `engine` is the DeepSpeed engine under --strategy deepspeed. A finite
+    process group's barrier); `engine` is the DeepSpeed engine under --strategy deepspeed. `flat_optim` keys the
+    optimizer state by parameter name (pipeline stages hold different parameters; see `_optim_options`). A finite
     `train_state["loss"]` (or none) marks the checkpoint finite in COMPLETE."""
     root = Path(root)
     final = root / step_dir_name(step)
@@ -103,7 +104,8 @@ def save_checkpoint(root: Path, step: int, model: torch.nn.Module, optimizer: to
     if engine is not None:
         engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)  # hashed from disk by rank 0 below
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+        model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [],
+                                            options=StateDictOptions(flatten_optimizer_state_dict=flat_optim))
         state = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
         writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
         writer.fs = fs = safe_io.HashingFileSystem()
@@ -368,7 +370,8 @@ def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
             raise UserError(f"{path} is a torch.distributed.checkpoint (single/ddp/fsdp run); resume it with one "
                             "of those strategies, not deepspeed")
         if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            options = _optim_options(path)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
             state = {"model": model_sd, "optim": optim_sd}
         else:
             model_sd = get_state_dict(model, [])[0]
@@ -376,7 +379,22 @@ def _load_states(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         _quiet_dcp(dcp.load, state, storage_reader=safe_io.SafeDCPReader(str(path)),
                    planner=safe_io.SafeLoadPlanner())
         set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
+                       optim_state_dict=state.get("optim", {}),
+                       options=options if optimizer is not None else None)
+
+
+def _optim_options(path: Path) -> StateDictOptions:
+    """How the checkpoint's optimizer state is keyed. By group index (`optim.param_groups.0.params` lists the
+    names) unless it was saved by pipeline stages: those hold different parameters, so their group lists
+    would collide; they key every group setting by parameter name instead (`flatten_optimizer_state_dict`),
+    which loads into any cut of the model, --pp 1 included. A model of pipeline stages needs that form."""
+    return StateDictOptions(flatten_optimizer_state_dict=optim_keyed_by_name(path))
+
+
+def optim_keyed_by_name(path: Path) -> bool:
+    """Whether the DCP checkpoint at `path` keys its optimizer groups by parameter name (see `_optim_options`)."""
+    keys = safe_io.load_dcp_metadata(Path(path) / ".metadata").state_dict_metadata
+    return not any(k.startswith("optim.param_groups.") and k.endswith(".params") for k in keys)
 
 
 def deepspeed_weights(path: Path) -> dict[str, torch.Tensor]:

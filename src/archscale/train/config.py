@@ -49,6 +49,9 @@ class PretrainConfig:
     moe_aux_coef: float = 1e-3  # --moe: Switch load-balancing loss coefficient (ArchScale's 1e-3)
     moe_z_coef: float = 0.0  # --moe: router z-loss coefficient (ST-MoE uses 1e-3)
     ep: int = 1  # expert parallelism: each group of --ep ranks splits the experts and exchanges tokens (all-to-all)
+    pp: int = 1  # pipeline parallelism: the blocks cut into --pp stages on --pp ranks (the rest is data parallel)
+    pp_schedule: str = "1f1b"  # --pp: gpipe | 1f1b | interleaved1f1b (two stages per rank)
+    pp_layers: Optional[str] = None  # --pp: blocks per stage, comma-separated (e.g. 6,2); default as even as possible
 
     precision: str = "bf16-mixed"  # fp32 | bf16-mixed | fp16-mixed (dynamic loss scaling; for GPUs)
     fp16_scale_window: int = 1000  # fp16-mixed: clean steps before the loss scale doubles
@@ -77,6 +80,8 @@ class PretrainConfig:
     wandb_project: str = "archscale"  # W&B project (with --logger wandb)
     dry_run: bool = False  # print the fully resolved plan as JSON and exit (no data needed with --vocab_size)
 
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
 # token -> (field, value). The name is split on "_"; multi-token keys are matched first.
 TRAIN_NAME_TOKENS: dict[tuple[str, ...], tuple[str, object]] = {
@@ -206,6 +211,9 @@ def validate(cfg: PretrainConfig) -> None:
         (cfg.nonfinite_max >= 1, f"--nonfinite_max must be >= 1 (got {cfg.nonfinite_max})"),
         (cfg.eos_id is None or cfg.eos_id >= 0, f"--eos_id must be >= 0 (got {cfg.eos_id})"),
         (cfg.fp16_scale_window >= 1, f"--fp16_scale_window must be >= 1 (got {cfg.fp16_scale_window})"),
+        (cfg.pp >= 1, f"--pp must be >= 1 (got {cfg.pp})"),
+        (cfg.pp_schedule in PP_SCHEDULES,
+         f"--pp_schedule {cfg.pp_schedule!r} is unknown; choose {', '.join(PP_SCHEDULES)}"),
         (not (cfg.data_mixture and synthetic_kind(cfg.train_data_dir)),
          "--data_mixture mixes shard prefixes; it does not combine with --train_data_dir synthetic"),
     ]

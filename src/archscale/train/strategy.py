@@ -2,6 +2,7 @@
 
 The trainer's step is the same for every strategy:
 
+    loss_sum = strategy.run_micro_batches(batches, ...)   # by default:
     for micro in range(accum):
         with strategy.no_sync(micro):
             loss = loss_of(strategy.model, batch)
@@ -54,6 +55,21 @@ class Strategy:
 
     def no_sync(self, micro: int):
         return nullcontext()
+
+    def run_micro_batches(self, batches, forward: Callable, loss_fn: Callable, label_smoothing: float,
+                          autocast: Callable) -> torch.Tensor:
+        """Forward and backward of each (inputs, targets) of one step, the loop above; returns the sum of the
+        micro-batches' language-model losses (detached). A pipeline runs them all in one schedule instead."""
+        total = None
+        for micro, (inputs, targets) in enumerate(batches):
+            with self.no_sync(micro):
+                with autocast():
+                    out = forward(self.model, inputs)
+                loss = loss_fn(out, targets, label_smoothing)
+                aux = unwrap(self.model).aux_loss  # a mixture of experts' balancing losses (None without)
+                self.backward(loss if aux is None else loss + aux, micro)
+            total = loss.detach() if total is None else total + loss.detach()  # no .item(): no GPU sync here
+        return total
 
     def backward(self, loss: torch.Tensor, micro: int) -> None:
         """Accumulate the gradient of one micro-batch's mean loss (the step averages over micro-batches)."""

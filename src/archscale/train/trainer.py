@@ -10,6 +10,7 @@ checkpoint, so `--resume auto` continues with exactly the next batch and reprodu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -43,7 +44,8 @@ from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
 from archscale.train.metrics import Progress, peak_flops
 from archscale.train.optim import param_groups, set_lr
 from archscale.train.expert_parallel import ExpertParallel, check_ep, expert_param_groups, expert_params
-from archscale.train.parallelize import parallelize, unwrap
+from archscale.train.parallelize import apply_act_ckpt, apply_compile, parallelize, unwrap
+from archscale.train.pipeline import PipelineStrategy, build_pipeline, check_pp, pipeline_summary
 from archscale.train.runlock import RunLock
 from archscale.train.schedule import lr_at
 from archscale.train.strategy import Strategy, build_strategy
@@ -107,7 +109,10 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
         sizes = sizes.replace(ffn_kind="moe", mixer_options={**sizes.mixer_options, "moe": moe_options(cfg)})
     rules = resolve_parametrization(cfg.parametrization, hps, cfg.depth, sizes.n_layer, sizes.head_size, tie=tie)
     model_cfg = sizes.replace(**rules.model_overrides())
-    batch, accum, lr = resolve_batch_and_lr(hps, cfg.micro_bsz, cfg.ctx_len, world_size)
+    # --pp: the ranks of one pipeline share their batches; the data-parallel world is the pipelines
+    data_world = world_size // cfg.pp if world_size % cfg.pp == 0 else world_size
+    batch, accum, lr = resolve_batch_and_lr(hps, cfg.micro_bsz, cfg.ctx_len, data_world)
+    check_pp(cfg, model_cfg.n_layer, world_size, accum, model_cfg.tie_embeddings)
     lr = lr * rules.global_lr_mult
     total = int(cfg.max_tokens if cfg.max_tokens is not None
                 else default_tokens(hps, cfg.train_model, cfg.depth, ar=cfg.ar))
@@ -168,6 +173,7 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
         # the law against the active parameters (all of them for a dense model; k of E experts for an MoE)
         "n_params_law": law, "n_params_law_deviation": law / meta.num_params(active=True) - 1.0,
         "notes": dry_run_notes(cfg),
+        **({"pipeline": pipeline_summary(cfg, m.n_layer, plan.grad_accum)} if cfg.pp > 1 else {}),
     }
 
 
@@ -368,6 +374,10 @@ class RunCheckpoints:
     def load(self, step_dir: Path, strategy: Strategy) -> dict:
         """Model and optimizer state into `strategy`'s objects; returns this rank's train state."""
         module, optimizer, engine = strategy.state_dict_target()
+        if (getattr(strategy, "flat_optimizer_state", False) and not ckpt.is_deepspeed_checkpoint(step_dir)
+                and ckpt.verify_checkpoint(step_dir) is None and not ckpt.optim_keyed_by_name(step_dir)):
+            raise UserError(f"--resume {step_dir}: saved without --pp (optimizer state keyed by group index), it "
+                            "resumes without --pp only (a checkpoint saved with --pp loads with or without it)")
         universal = getattr(strategy, "universal", None)
         state = ckpt.load_checkpoint(step_dir, module, optimizer, rank=self.env.rank, engine=engine, warn=self.log,
                                      ds_universal=universal)
@@ -377,7 +387,8 @@ class RunCheckpoints:
     def save(self, step: int, strategy: Strategy, train_state: dict, config_yaml: str, keep_last: int) -> Path:
         module, optimizer, engine = strategy.state_dict_target()
         return ckpt.save_checkpoint(self.root, step, module, optimizer, train_state, config_yaml, keep_last,
-                                    rank=self.env.rank, barrier=self.env.barrier, engine=engine)
+                                    rank=self.env.rank, barrier=self.env.barrier, engine=engine,
+                                    flat_optim=getattr(strategy, "flat_optimizer_state", False))
 
     rng_state = staticmethod(ckpt.rng_state)
     set_rng_state = staticmethod(ckpt.set_rng_state)
@@ -437,6 +448,8 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(),
         print_dry_run(cfg, explicit)
         return None
     strategy = "fsdp" if (cfg.fsdp_save_mem and cfg.strategy == "auto") else cfg.strategy
+    if cfg.pp > 1 and strategy == "auto":
+        strategy = "ddp"  # the replicas of a pipeline average their gradients (PipelineStrategy)
     validate(cfg)  # before any process group exists, so bad flags fail fast everywhere
     env = setup_distributed(strategy)
     try:
@@ -457,6 +470,9 @@ class Trainer:
         self.cfg, self.env, self.log = cfg, env, log
         self.metrics, self.monitor, self.lock = None, None, None
         self.nonfinite_in_a_row = 0
+        self.pipe = None
+        # the data-parallel position: with --pp the ranks of one pipeline (rank = replica * pp + stage) share it
+        self.data_rank, self.data_world = env.rank // cfg.pp, max(1, env.world_size // cfg.pp)
         self.plan, self.model_cfg = make_plan(cfg, explicit, world_size=env.world_size, warn=log)
         self.out_dir = Path(self.plan.out_dir)
         self.checkpoints = RunCheckpoints(self.out_dir / "checkpoints", env, log)
@@ -483,11 +499,18 @@ class Trainer:
         if expert_params(unwrap(model)):  # a mixture of experts: its experts in groups of their own
             self.groups = expert_param_groups(self.groups, expert_params(unwrap(model)))
         hps = cfg.base_hps
-        self.strategy, ds_cfg = build_strategy(
-            env, model, self.groups, lr=self.plan.lr, betas=(hps.beta1_0, hps.beta2_0), eps=hps.eps0,
-            accum=self.plan.grad_accum, micro_bsz=cfg.micro_bsz, precision=cfg.precision,
-            zero_stage=cfg.zero_stage, offload=cfg.offload, fp16_scale_window=cfg.fp16_scale_window,
-            universal_from=self.checkpoints.universal_copy(self.resume_from))
+        if self.pipe is not None:  # --pp
+            from archscale.train.optim import build_adamw
+
+            optimizer = build_adamw(self.groups, self.plan.lr, (hps.beta1_0, hps.beta2_0), hps.eps0)
+            self.strategy, ds_cfg = PipelineStrategy(self.pipe, optimizer, self.plan.grad_accum, cfg.pp_schedule,
+                                                     env.device), None
+        else:
+            self.strategy, ds_cfg = build_strategy(
+                env, model, self.groups, lr=self.plan.lr, betas=(hps.beta1_0, hps.beta2_0), eps=hps.eps0,
+                accum=self.plan.grad_accum, micro_bsz=cfg.micro_bsz, precision=cfg.precision,
+                zero_stage=cfg.zero_stage, offload=cfg.offload, fp16_scale_window=cfg.fp16_scale_window,
+                universal_from=self.checkpoints.universal_copy(self.resume_from))
         self.strategy.experts = self.experts
         if ds_cfg is not None and env.is_main:
             (self.out_dir / "deepspeed_config.json").write_text(json.dumps(ds_cfg, indent=1))
@@ -510,6 +533,14 @@ class Trainer:
             self.log("note: --fsdp_save_mem on CPU = activation checkpointing (FSDP2 CPU offload needs a GPU to "
                      "offload from)")
         self.experts = None
+        if cfg.pp > 1:  # --pp: memory savers on the full model, then this rank's stages (FQNs unchanged)
+            if cfg.act_ckpt:
+                apply_act_ckpt(model)
+            if cfg.compile:
+                apply_compile(model)
+            wants_hidden = select_loss(cfg.loss, self.model_cfg.vocab_size).wants_hidden
+            self.pipe = build_pipeline(model, cfg, env, return_hidden=wants_hidden)
+            return self.pipe.shard
         if cfg.ep > 1:  # --ep: split the experts before wrapping; DDP / FSDP2 then leave them alone
             check_ep(cfg.ep, env.world_size, env.strategy)
             self.experts = ExpertParallel(cfg.ep, env.device)
@@ -527,12 +558,12 @@ class Trainer:
         kind = synthetic_kind(cfg.train_data_dir)
         if kind is not None:  # --train_data_dir synthetic[:kind]: generated from the seed, no files
             self.loader = SyntheticLoader(kind, vocab_size=self.plan.vocab_size, block_size=block,
-                                          micro_bsz=cfg.micro_bsz, seed=cfg.seed, rank=env.rank,
-                                          world_size=env.world_size)
+                                          micro_bsz=cfg.micro_bsz, seed=cfg.seed, rank=self.data_rank,
+                                          world_size=self.data_world)
         else:
             mixture = load_mixture(cfg.data_mixture, cfg.train_data_dir) if cfg.data_mixture else "train"
             self.loader = GlobalOrderLoader(cfg.train_data_dir, mixture, block_size=block, micro_bsz=cfg.micro_bsz,
-                                            seed=cfg.seed, rank=env.rank, world_size=env.world_size,
+                                            seed=cfg.seed, rank=self.data_rank, world_size=self.data_world,
                                             num_workers=cfg.num_workers)
         eos_id = varlen_eos_id(cfg)
         zero3 = self.env.strategy == "deepspeed" and cfg.zero_stage == 3
@@ -551,8 +582,8 @@ class Trainer:
                                                   micro_bsz=max(1, cfg.micro_bsz), max_batches=cfg.eval_iters)))
             for b in everything:
                 check_token_range(b, self.model_cfg.vocab_size, val_dir)
-            self.val_batches = everything[env.rank::env.world_size]
-            self.val_pad = -(-len(everything) // env.world_size) - len(self.val_batches)
+            self.val_batches = everything[self.data_rank::self.data_world]
+            self.val_pad = -(-len(everything) // self.data_world) - len(self.val_batches)
             self.val_filler = everything[0]
         dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(cfg.precision)
         self.autocast = (lambda: torch.autocast(env.device.type, dtype=dtype)) if dtype else nullcontext
@@ -611,18 +642,15 @@ class Trainer:
         lr = lr_at(state.step, plan.lr, plan.min_lr, plan.warmup_steps, plan.max_steps, cfg.schedule)
         set_lr(strategy.optimizer, lr)  # per group: lr * lr_mult (the same groups under every strategy)
         seq_len = self.curriculum.length_at(state.step) if self.curriculum is not None else cfg.ctx_len
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(plan.grad_accum):
-            batch = next(batch_iter)
-            check_token_range(batch, self.model_cfg.vocab_size, cfg.train_data_dir)
-            inputs, targets = cut_batch(batch.to(device, non_blocking=True), seq_len)  # --curriculum
-            with strategy.no_sync(micro):
-                with self.autocast():
-                    logits = self.forward(strategy.model, inputs)
-                loss = self.loss_fn(logits, targets, cfg.label_smoothing)
-                aux = unwrap(strategy.model).aux_loss  # a mixture of experts' balancing losses (None without)
-                strategy.backward(loss if aux is None else loss + aux, micro)
-            loss_sum += loss.detach()  # no .item() here: it would sync the GPU every micro-batch
+
+        def micro_batches():
+            for _ in range(plan.grad_accum):
+                batch = next(batch_iter)
+                check_token_range(batch, self.model_cfg.vocab_size, cfg.train_data_dir)
+                yield cut_batch(batch.to(device, non_blocking=True), seq_len)  # --curriculum
+
+        loss_sum = strategy.run_micro_batches(micro_batches(), self.forward, self.loss_fn, cfg.label_smoothing,
+                                              self.autocast)
         train_loss = self.env.mean(loss_sum.double() / plan.grad_accum)  # the global batch's, on every rank
         outcome = strategy.clip_and_step(apply=math.isfinite(train_loss))  # the guard: see _on_nonfinite
         state.step += 1
@@ -632,8 +660,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
     def validate_now(self) -> float:
-        return evaluate(self.strategy.model, self.val_batches, self.env.device, self.autocast, self.env,
-                        self.val_pad, self.val_filler, forward=self.eval_forward)
+        run = self.strategy.evaluate if self.pipe is not None else functools.partial(evaluate, self.strategy.model)
+        return run(self.val_batches, self.env.device, self.autocast, self.env, self.val_pad, self.val_filler,
+                   forward=self.eval_forward)
 
     def save(self) -> Path:
         state = self.state
