@@ -73,58 +73,76 @@ def unavailable_reason() -> str | None:
 
 
 # Custom ops, so torch.compile traces through the kernel instead of breaking the graph at a pybind call.
+# Absent optional inputs (h0, keep, bias, D, z) are passed as empty tensors.
 @torch.library.custom_op("archscale::selective_scan_cpu_fwd", mutates_args=())
-def _fwd(u: Tensor, dt: Tensor, A: Tensor, Bt: Tensor, Ct: Tensor, h0: Tensor, keep: Tensor,
-         block: int) -> tuple[Tensor, Tensor, Tensor]:
-    y, last, starts = _load().forward(u, dt, A, Bt, Ct, h0, keep, block, torch.get_num_threads())
+def _fwd(u: Tensor, delta: Tensor, A: Tensor, Bt: Tensor, Ct: Tensor, h0: Tensor, keep: Tensor, bias: Tensor,
+         D: Tensor, z: Tensor, softplus: bool, block: int) -> tuple[Tensor, Tensor, Tensor]:
+    y, last, starts = _load().forward(u, delta, A, Bt, Ct, h0, keep, bias, D, z, softplus, block,
+                                      torch.get_num_threads())
     return y, last, starts
 
 
 @_fwd.register_fake
-def _(u, dt, A, Bt, Ct, h0, keep, block):
+def _(u, delta, A, Bt, Ct, h0, keep, bias, D, z, softplus, block):
     b, d, L = u.shape
-    return u.new_empty(b, d, L), h0.new_empty(h0.shape), u.new_empty(b, d, -(-L // block), A.shape[1])
+    n = A.shape[1]
+    return u.new_empty(b, L, d), u.new_empty(b, d, n), u.new_empty(b, d, -(-L // block), n)
 
 
 @torch.library.custom_op("archscale::selective_scan_cpu_bwd", mutates_args=())
-def _bwd(gy: Tensor, glast: Tensor, u: Tensor, dt: Tensor, A: Tensor, Bt: Tensor, Ct: Tensor, keep: Tensor,
-         starts: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    out = _load().backward(gy, glast, u, dt, A, Bt, Ct, keep, starts, block, torch.get_num_threads())
+def _bwd(gy: Tensor, glast: Tensor, u: Tensor, delta: Tensor, A: Tensor, Bt: Tensor, Ct: Tensor, keep: Tensor,
+         bias: Tensor, D: Tensor, z: Tensor, softplus: bool, starts: Tensor,
+         block: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    out = _load().backward(gy, glast, u, delta, A, Bt, Ct, keep, bias, D, z, softplus, starts, block,
+                           torch.get_num_threads())
     return tuple(out)
 
 
 @_bwd.register_fake
-def _(gy, glast, u, dt, A, Bt, Ct, keep, starts, block):
-    return (torch.empty_like(u), torch.empty_like(dt), torch.empty_like(A), torch.empty_like(Bt),
-            torch.empty_like(Ct), torch.empty_like(glast))
+def _(gy, glast, u, delta, A, Bt, Ct, keep, bias, D, z, softplus, starts, block):
+    b, d, L = u.shape
+    return (u.new_empty(b, d, L), u.new_empty(b, d, L), torch.empty_like(A), torch.empty_like(Bt),
+            torch.empty_like(Ct), u.new_empty(b, d, A.shape[1]), u.new_empty(d), u.new_empty(d),
+            u.new_empty(b, L, d) if z.numel() else u.new_empty(0))
 
 
 def _setup(ctx, inputs, output):
-    u, dt, A, Bt, Ct, h0, keep, block = inputs
-    ctx.save_for_backward(u, dt, A, Bt, Ct, keep, output[2])
-    ctx.block = block
+    u, delta, A, Bt, Ct, h0, keep, bias, D, z, softplus, block = inputs
+    ctx.save_for_backward(u, delta, A, Bt, Ct, keep, bias, D, z, output[2])
+    ctx.softplus, ctx.block, ctx.has_h0 = softplus, block, h0.numel() > 0
 
 
 def _backward(ctx, gy, glast, _gstarts):
-    u, dt, A, Bt, Ct, keep, starts = ctx.saved_tensors
-    gy = gy.contiguous() if gy is not None else torch.zeros_like(u)
-    glast = glast.contiguous() if glast is not None else u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
-    gu, gdt, gA, gB, gC, gh0 = _bwd(gy, glast, u, dt, A, Bt, Ct, keep, starts, ctx.block)
-    return gu, gdt, gA, gB, gC, gh0, None, None
+    u, delta, A, Bt, Ct, keep, bias, D, z, starts = ctx.saved_tensors
+    b, d, L = u.shape
+    gy = gy.transpose(1, 2) if gy is not None else u.new_zeros(b, d, L)   # y is (b, L, d): read as (b, d, L)
+    glast = glast.contiguous() if glast is not None else u.new_zeros(b, d, A.shape[1])
+    gu, gdelta, gA, gB, gC, gh0, gbias, gD, gz = _bwd(gy, glast, u, delta, A, Bt, Ct, keep, bias, D, z,
+                                                      ctx.softplus, starts, ctx.block)
+    return (gu, gdelta, gA, gB, gC, gh0 if ctx.has_h0 else None, None, gbias if bias.numel() else None,
+            gD if D.numel() else None, gz.transpose(1, 2) if z.numel() else None, None, None)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup)
 
 
-def scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h0: Tensor | None, reset: Tensor | None):
-    """Shapes as `selective_scan._scan_ref`: u, dt (b, d, L) fp32 with softplus and bias applied; A (d, n);
-    B, C (b, n, L); h0 (b, d, n) or None; reset (b, L) bool or None. Returns y (b, d, L), last (b, d, n)."""
+def _f32(x: Tensor | None, like: Tensor) -> Tensor:
+    return like.new_empty(0) if x is None else x.float()
+
+
+def fused_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None, z: Tensor | None,
+               h0: Tensor | None, reset: Tensor | None):
+    """`selective_scan`'s scan, D skip and silu(z) gate in one kernel call, from dt with bias and softplus
+    applied. u, dt, z (b, d, L) in any layout and dtype (computed in fp32); A (d, n); B, C (b, n, L); D (d);
+    h0 (b, d, n); reset (b, L) bool. Returns y (b, d, L) fp32, a view of (b, L, d) storage (what out_proj
+    reads without a copy), and the last state (b, d, n) fp32."""
     b, d, L = u.shape
-    if h0 is None:
-        h0 = u.new_zeros(b, d, A.shape[1])
-    keep = u.new_empty(0) if reset is None else (~reset).to(u.dtype).contiguous()
+    uf = u.float()
     if L == 0:
-        return u.new_zeros(b, d, 0), h0
-    y, last, _ = _fwd(u.contiguous(), dt.contiguous(), A.contiguous(), B.transpose(1, 2).contiguous(),
-                      C.transpose(1, 2).contiguous(), h0.contiguous(), keep, BLOCK)
-    return y, last
+        last = h0.float() if h0 is not None else uf.new_zeros(b, d, A.shape[1])
+        return uf.new_zeros(b, d, 0), last
+    keep = uf.new_empty(0) if reset is None else (~reset).to(torch.float32).contiguous()
+    y, last, _ = _fwd(uf, dt.float(), A.float().contiguous(), B.float().transpose(1, 2).contiguous(),
+                      C.float().transpose(1, 2).contiguous(), _f32(h0, uf).contiguous(), keep, uf.new_empty(0),
+                      _f32(D, uf).contiguous(), _f32(z, uf), False, BLOCK)
+    return y.transpose(1, 2), last

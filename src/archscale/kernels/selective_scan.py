@@ -124,6 +124,13 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
             return y, last.float()
         return out
 
+    if impl == "cpu":  # D and the gate fused into the C++ kernel (softplus stays here: torch's is vectorised)
+        with torch.autocast(device_type=u.device.type, enabled=False):
+            dt = delta.float() if delta_bias is None else delta.float() + delta_bias.float().unsqueeze(-1)
+            y, last = cpu_kernel.fused_scan(u, F.softplus(dt) if delta_softplus else dt, A, B, C, D, z,
+                                            initial_state, reset)
+        y = y.to(u.dtype)
+        return (y, last) if return_last_state else y
     with torch.autocast(device_type=u.device.type, enabled=False):
         uf = u.float()
         dt = delta.float()
@@ -135,8 +142,6 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
         h0 = None if initial_state is None else initial_state.float()
         if impl == "ref":
             y, last = _scan_ref(uf, dt, A, B, C, h0, reset)
-        elif impl == "cpu":
-            y, last = cpu_kernel.scan(uf, dt, A, B, C, h0, reset)
         else:
             y, last = _scan_chunked(uf, dt, A, B, C, h0, reset)
         if D is not None:

@@ -3,12 +3,16 @@
 // The pure-PyTorch chunked scan (selective_scan.py) materialises (steps, batch, d_inner, d_state) tensors and
 // makes ~30 passes over them per layer and step: on CPU it is memory-bound. Here each (batch, channel) pair runs
 // its recurrence with the d_state-long state in registers, reading only the (batch, channel, time) and
-// (batch, time, d_state) inputs; nothing of size time x d_state x d_inner is ever written. Backward recomputes
-// the states of one block (BLOCK steps) at a time from the state saved at the block start, then runs the
-// adjoint recurrence in reverse. Semantics are those of `_scan_ref` in selective_scan.py (the test oracle):
-//     a_t = exp(dt_t * A) * keep_t;  h_t = a_t h_{t-1} + dt_t u_t B_t;  y_t = C_t . h_t
-// dt already has softplus and bias applied; D, z and the output dtype are handled in Python.
-// Layouts (fp32, contiguous): u, dt (b, d, L); A (d, n); Bt, Ct (b, L, n); h0 (b, d, n); keep (b, L) or empty.
+// (batch, time, d_state) inputs; nothing of size time x d_state x d_inner is ever written. The elementwise
+// head and tail of the scan (dt bias and softplus, the D skip, the silu(z) gate) are fused in, so the Mamba
+// layer around it makes no extra passes. Backward recomputes the states of one block (BLOCK steps) at a time
+// from the state saved at the block start, then runs the adjoint recurrence in reverse. Semantics are those
+// of `selective_scan(..., impl="ref")` (the test oracle):
+//     dt_t = softplus(delta_t + bias);  a_t = exp(dt_t * A) * keep_t;  h_t = a_t h_{t-1} + dt_t u_t B_t
+//     y_t = (C_t . h_t + D u_t) * silu(z_t)
+// Layouts, fp32: u, delta, z, gy: (b, d, L) with any strides (the Mamba layer passes transposed views);
+// A (d, n); Bt, Ct (b, L, n) contiguous; h0 (b, d, n); keep (b, L) or empty; bias, D (d) or empty; z may be
+// empty. y is written (b, L, d)-contiguous: what out_proj reads.
 
 #include <torch/extension.h>
 
@@ -56,6 +60,16 @@ void parallel_channels(int64_t total, int threads, Fn fn) {
   for (auto& th : pool) th.join();
 }
 
+// A (b, d, L) tensor with arbitrary strides, read per element.
+struct View {
+  const float* p;
+  int64_t sb, sd, st;
+  View(const torch::Tensor& x)
+      : p(x.numel() ? x.data_ptr<float>() : nullptr), sb(x.dim() == 3 ? x.stride(0) : 0),
+        sd(x.dim() == 3 ? x.stride(1) : 0), st(x.dim() == 3 ? x.stride(2) : 0) {}
+  float at(int64_t b, int64_t d, int64_t t) const { return p[b * sb + d * sd + t * st]; }
+};
+
 struct Dims {
   int64_t b, d, L, n, block, nblocks;
 };
@@ -66,31 +80,61 @@ Dims dims_of(const torch::Tensor& u, const torch::Tensor& A, int64_t block) {
   return s;
 }
 
+inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }  // 0 / 1 at the clamps, as expf
+
+// torch's softplus (threshold 20: above it, x itself)
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+// The inputs every channel reads, and the optional head/tail.
+struct Inputs {
+  View u, delta, z;
+  const float *A, *Bt, *Ct, *h0, *keep, *bias, *D;
+  bool use_softplus;
+  Inputs(const torch::Tensor& u_, const torch::Tensor& delta_, const torch::Tensor& A_, const torch::Tensor& Bt_,
+         const torch::Tensor& Ct_, const torch::Tensor& h0_, const torch::Tensor& keep_, const torch::Tensor& bias_,
+         const torch::Tensor& D_, const torch::Tensor& z_, bool sp)
+      : u(u_), delta(delta_), z(z_), A(A_.data_ptr<float>()), Bt(Bt_.data_ptr<float>()), Ct(Ct_.data_ptr<float>()),
+        h0(h0_.numel() ? h0_.data_ptr<float>() : nullptr), keep(keep_.numel() ? keep_.data_ptr<float>() : nullptr),
+        bias(bias_.numel() ? bias_.data_ptr<float>() : nullptr), D(D_.numel() ? D_.data_ptr<float>() : nullptr),
+        use_softplus(sp) {}
+  // dt of channel (bi, di) for every step (row[t]), and d dt / d delta (grad[t]) if asked
+  void dt_row(const Dims& s, int64_t bi, int64_t di, float* row, float* grad) const {
+    const float b0 = bias ? bias[di] : 0.0f;
+    for (int64_t t = 0; t < s.L; ++t) {
+      const float x = delta.at(bi, di, t) + b0;
+      row[t] = use_softplus ? softplus(x) : x;
+      if (grad) grad[t] = use_softplus ? (x > 20.0f ? 1.0f : sigmoid(x)) : 1.0f;
+    }
+  }
+};
+
 }  // namespace
 
-// Returns y (b, d, L), the last state (b, d, n) and the state entering every block (b, d, nblocks, n).
-std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor Bt,
-                                        torch::Tensor Ct, torch::Tensor h0, torch::Tensor keep, int64_t block,
+// Returns y (b, L, d), the last state (b, d, n) and the state entering every block (b, d, nblocks, n).
+std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor delta, torch::Tensor A, torch::Tensor Bt,
+                                        torch::Tensor Ct, torch::Tensor h0, torch::Tensor keep, torch::Tensor bias,
+                                        torch::Tensor D, torch::Tensor z, bool use_softplus, int64_t block,
                                         int64_t threads) {
   const Dims s = dims_of(u, A, block);
-  auto y = torch::empty_like(u);
-  auto last = torch::empty_like(h0);
+  const Inputs in(u, delta, A, Bt, Ct, h0, keep, bias, D, z, use_softplus);
+  auto y = torch::empty({s.b, s.L, s.d}, u.options());
+  auto last = torch::empty({s.b, s.d, s.n}, u.options());
   auto starts = torch::empty({s.b, s.d, s.nblocks, s.n}, u.options());
-  const float *pu = u.data_ptr<float>(), *pdt = dt.data_ptr<float>(), *pA = A.data_ptr<float>();
-  const float *pB = Bt.data_ptr<float>(), *pC = Ct.data_ptr<float>(), *ph0 = h0.data_ptr<float>();
-  const float* pk = keep.numel() ? keep.data_ptr<float>() : nullptr;
   float *py = y.data_ptr<float>(), *plast = last.data_ptr<float>(), *pst = starts.data_ptr<float>();
   parallel_channels(s.b * s.d, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
-    std::vector<float> h(s.n);
+    std::vector<float> h(s.n), dtr(s.L), yrow(s.L);
     for (int64_t ch = begin; ch < end; ++ch) {
       const int64_t bi = ch / s.d, di = ch % s.d;
-      const float* Ad = pA + di * s.n;
-      std::copy(ph0 + ch * s.n, ph0 + (ch + 1) * s.n, h.begin());
+      const float* Ad = in.A + di * s.n;
+      const float Dd = in.D ? in.D[di] : 0.0f;
+      in.dt_row(s, bi, di, dtr.data(), nullptr);
+      if (in.h0) std::copy(in.h0 + ch * s.n, in.h0 + (ch + 1) * s.n, h.begin());
+      else std::fill(h.begin(), h.end(), 0.0f);
       for (int64_t t = 0; t < s.L; ++t) {
         if (t % s.block == 0) std::copy(h.begin(), h.end(), pst + (ch * s.nblocks + t / s.block) * s.n);
-        const float dtv = pdt[ch * s.L + t], x = dtv * pu[ch * s.L + t];
-        const float kv = pk ? pk[bi * s.L + t] : 1.0f;
-        const float *Bl = pB + (bi * s.L + t) * s.n, *Cl = pC + (bi * s.L + t) * s.n;
+        const float dtv = dtr[t], uv = in.u.at(bi, di, t), x = dtv * uv;
+        const float kv = in.keep ? in.keep[bi * s.L + t] : 1.0f;
+        const float *Bl = in.Bt + (bi * s.L + t) * s.n, *Cl = in.Ct + (bi * s.L + t) * s.n;
         float* hp = h.data();
         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -98,39 +142,58 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor dt, torch
           hp[j] = fast_exp(dtv * Ad[j]) * kv * hp[j] + x * Bl[j];
           acc += hp[j] * Cl[j];
         }
-        py[ch * s.L + t] = acc;
+        yrow[t] = acc + Dd * uv;
       }
+      if (in.z.p) {  // the gate, in its own loop over time so sigmoid vectorises
+        float* yr = yrow.data();
+#pragma omp simd
+        for (int64_t t = 0; t < s.L; ++t) {
+          const float zv = in.z.at(bi, di, t);
+          yr[t] *= zv * sigmoid(zv);
+        }
+      }
+      for (int64_t t = 0; t < s.L; ++t) py[(bi * s.L + t) * s.d + di] = yrow[t];
       std::copy(h.begin(), h.end(), plast + ch * s.n);
     }
   });
   return {y, last, starts};
 }
 
-// Gradients (gu, gdt, gA, gB (b, L, n), gC (b, L, n), gh0) from gy (b, d, L) and glast (b, d, n).
-std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, torch::Tensor u, torch::Tensor dt,
+// Gradients (gu, gdelta (b, d, L), gA, gB, gC (b, L, n), gh0, gbias, gD, gz (b, L, d)) from gy (b, d, L, any
+// strides) and glast (b, d, n). Absent inputs get empty gradients.
+std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, torch::Tensor u, torch::Tensor delta,
                                          torch::Tensor A, torch::Tensor Bt, torch::Tensor Ct, torch::Tensor keep,
+                                         torch::Tensor bias, torch::Tensor D, torch::Tensor z, bool use_softplus,
                                          torch::Tensor starts, int64_t block, int64_t threads) {
   const Dims s = dims_of(u, A, block);
+  const Inputs in(u, delta, A, Bt, Ct, torch::empty({0}, u.options()), keep, bias, D, z, use_softplus);
+  const View gyv_(gy);
   threads = std::max<int64_t>(1, std::min<int64_t>(threads, s.b * s.d));
-  auto gu = torch::empty_like(u), gdt = torch::empty_like(dt), gh0 = torch::empty_like(glast);
-  // per-thread partial sums of the gradients that reduce over channels, summed at the end
-  auto gA_part = torch::zeros({threads, s.d, s.n}, u.options());
-  auto gB_part = torch::zeros({threads, s.b, s.L, s.n}, u.options());
-  auto gC_part = torch::zeros({threads, s.b, s.L, s.n}, u.options());
-  const float *pgy = gy.data_ptr<float>(), *pgl = glast.data_ptr<float>(), *pu = u.data_ptr<float>();
-  const float *pdt = dt.data_ptr<float>(), *pA = A.data_ptr<float>(), *pB = Bt.data_ptr<float>();
-  const float *pC = Ct.data_ptr<float>(), *pst = starts.data_ptr<float>();
-  const float* pk = keep.numel() ? keep.data_ptr<float>() : nullptr;
-  float *pgu = gu.data_ptr<float>(), *pgdt = gdt.data_ptr<float>(), *pgh0 = gh0.data_ptr<float>();
-  float *pgA = gA_part.data_ptr<float>(), *pgB = gB_part.data_ptr<float>(), *pgC = gC_part.data_ptr<float>();
+  auto opts = u.options();
+  auto gu = torch::empty({s.b, s.d, s.L}, opts), gdelta = torch::empty({s.b, s.d, s.L}, opts);
+  auto gh0 = torch::empty({s.b, s.d, s.n}, opts);
+  auto gz = z.numel() ? torch::empty({s.b, s.L, s.d}, opts) : torch::empty({0}, opts);
+  // per-thread partial sums of the gradients that reduce over channels or batch, summed at the end
+  auto gA_part = torch::zeros({threads, s.d, s.n}, opts);
+  auto gvec_part = torch::zeros({threads, 2, s.d}, opts);  // gbias, gD
+  auto gB_part = torch::zeros({threads, s.b, s.L, s.n}, opts);
+  auto gC_part = torch::zeros({threads, s.b, s.L, s.n}, opts);
+  const float *pgl = glast.data_ptr<float>(), *pst = starts.data_ptr<float>();
+  float *pgu = gu.data_ptr<float>(), *pgd = gdelta.data_ptr<float>(), *pgh0 = gh0.data_ptr<float>();
+  float* pgz = gz.numel() ? gz.data_ptr<float>() : nullptr;
+  float *pgA = gA_part.data_ptr<float>(), *pgv = gvec_part.data_ptr<float>();
+  float *pgB = gB_part.data_ptr<float>(), *pgC = gC_part.data_ptr<float>();
   parallel_channels(s.b * s.d, static_cast<int>(threads), [&](int th, int64_t begin, int64_t end) {
-    std::vector<float> hs((s.block + 1) * s.n), as(s.block * s.n), G(s.n);
-    float* gAt = pgA + th * s.d * s.n;
+    std::vector<float> hs((s.block + 1) * s.n), as(s.block * s.n), G(s.n), dtr(s.L), dsp(s.L);
+    std::vector<float> pre(s.block), gyrow(s.block);  // per block: the pre-gate output, dLoss/d(pre)
+    float *gAt = pgA + th * s.d * s.n, *gbias = pgv + th * 2 * s.d, *gD = gbias + s.d;
+    float *gBt = pgB + th * s.b * s.L * s.n, *gCt = pgC + th * s.b * s.L * s.n;
     for (int64_t ch = begin; ch < end; ++ch) {
       const int64_t bi = ch / s.d, di = ch % s.d;
-      const float* Ad = pA + di * s.n;
+      const float* Ad = in.A + di * s.n;
+      const float Dd = in.D ? in.D[di] : 0.0f;
       float* gAd = gAt + di * s.n;
-      float *gBt = pgB + th * s.b * s.L * s.n, *gCt = pgC + th * s.b * s.L * s.n;
+      in.dt_row(s, bi, di, dtr.data(), dsp.data());
       std::copy(pgl + ch * s.n, pgl + (ch + 1) * s.n, G.begin());
       for (int64_t blk = s.nblocks - 1; blk >= 0; --blk) {
         const int64_t t0 = blk * s.block, t1 = std::min(s.L, t0 + s.block);
@@ -138,24 +201,42 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, 
         std::copy(pst + (ch * s.nblocks + blk) * s.n, pst + (ch * s.nblocks + blk + 1) * s.n, hs.begin());
         for (int64_t t = t0; t < t1; ++t) {
           const int64_t i = t - t0;
-          const float dtv = pdt[ch * s.L + t], x = dtv * pu[ch * s.L + t];
-          const float kv = pk ? pk[bi * s.L + t] : 1.0f;
-          const float* Bl = pB + (bi * s.L + t) * s.n;
+          const float dtv = dtr[t], x = dtv * in.u.at(bi, di, t);
+          const float kv = in.keep ? in.keep[bi * s.L + t] : 1.0f;
+          const float* Bl = in.Bt + (bi * s.L + t) * s.n;
           const float* hp = hs.data() + i * s.n;
+          const float* Cl = in.Ct + (bi * s.L + t) * s.n;
           float *hn = hs.data() + (i + 1) * s.n, *ap = as.data() + i * s.n;
-#pragma omp simd
+          float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
           for (int64_t j = 0; j < s.n; ++j) {
             ap[j] = fast_exp(dtv * Ad[j]) * kv;
             hn[j] = ap[j] * hp[j] + x * Bl[j];
+            acc += hn[j] * Cl[j];
           }
+          pre[i] = acc + Dd * in.u.at(bi, di, t);
+        }
+        float *gr = gyrow.data(), *pr = pre.data();
+        if (in.z.p) {  // through the gate y = pre * silu(z), vectorised over the block's steps
+          float* gzc = pgz + bi * s.L * s.d + di;
+#pragma omp simd
+          for (int64_t i = 0; i < t1 - t0; ++i) {
+            const float zv = in.z.at(bi, di, t0 + i), sg = sigmoid(zv), g = gyv_.at(bi, di, t0 + i);
+            gzc[(t0 + i) * s.d] = g * pr[i] * sg * (1.0f + zv * (1.0f - sg));
+            gr[i] = g * zv * sg;
+          }
+        } else {
+          for (int64_t i = 0; i < t1 - t0; ++i) gr[i] = gyv_.at(bi, di, t0 + i);
         }
         // adjoint: G = dLoss/dh_t, carried backwards through a_t
         for (int64_t t = t1 - 1; t >= t0; --t) {
           const int64_t i = t - t0;
-          const float dtv = pdt[ch * s.L + t], uv = pu[ch * s.L + t], x = dtv * uv, gyv = pgy[ch * s.L + t];
+          const float dtv = dtr[t], uv = in.u.at(bi, di, t), x = dtv * uv;
           const int64_t row = (bi * s.L + t) * s.n;
-          const float *Bl = pB + row, *Cl = pC + row, *hprev = hs.data() + i * s.n;
+          const float *Bl = in.Bt + row, *Cl = in.Ct + row, *hprev = hs.data() + i * s.n;
           const float *hcur = hs.data() + (i + 1) * s.n, *ap = as.data() + i * s.n;
+          const float gyv = gr[i];
+          gD[di] += gyv * uv;
           float *gBl = gBt + row, *gCl = gCt + row, *Gp = G.data();
           float gx = 0.0f, gdt_a = 0.0f;
 #pragma omp simd reduction(+ : gx, gdt_a)
@@ -169,14 +250,18 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, 
             gAd[j] += glog * dtv;
             Gp[j] = g * ap[j];
           }
-          pgu[ch * s.L + t] = gx * dtv;
-          pgdt[ch * s.L + t] = gx * uv + gdt_a;
+          const int64_t at = ch * s.L + t;
+          pgu[at] = gx * dtv + gyv * Dd;
+          const float gdelta_t = (gx * uv + gdt_a) * dsp[t];
+          pgd[at] = gdelta_t;
+          gbias[di] += gdelta_t;
         }
       }
       std::copy(G.begin(), G.end(), pgh0 + ch * s.n);
     }
   });
-  return {gu, gdt, gA_part.sum(0), gB_part.sum(0), gC_part.sum(0), gh0};
+  auto gvec = gvec_part.sum(0);
+  return {gu, gdelta, gA_part.sum(0), gB_part.sum(0), gC_part.sum(0), gh0, gvec[0].clone(), gvec[1].clone(), gz};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
