@@ -76,6 +76,7 @@ def test_powersgd_error_feedback_changes_and_round_trips_through_the_train_state
     ddp = DDP(toy(), gradient_as_bucket_view=True)
     hook = install(ddp, spec)
     straight = train(ddp, hook, 6)
+    straight_rng = hook.powersgd.rng.get_state()
 
     ddp = DDP(toy(), gradient_as_bucket_view=True)
     hook = install(ddp, spec)
@@ -93,6 +94,8 @@ def test_powersgd_error_feedback_changes_and_round_trips_through_the_train_state
     assert hook.powersgd.iter == 3 and hook.steps == 3
     second = train(ddp, hook, 3)
     assert all(torch.equal(a, b) for a, b in zip(straight, first + second))
+    rng = hook.powersgd.rng.get_state()  # no extra draw on the way (PowerSGD seeds new Q's from it)
+    assert (rng[1] == straight_rng[1]).all() and rng[2:] == straight_rng[2:] and hook.powersgd.iter == 6
     changed = [e for e in hook.powersgd.error_dict.values()]
     assert not any(torch.equal(a, b) for a, b in zip(errors, changed))  # the error moved on
 

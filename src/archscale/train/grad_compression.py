@@ -146,7 +146,7 @@ class CountingHook:
         self.steps += 1
 
     # ------------------------------------------------------------------ PowerSGD state per parameter
-    def _slices(self, bucket_params: list[torch.nn.Parameter], ptrs: Optional[list[int]] = None):
+    def _slices(self, bucket_params):
         """(name, numel, offset in the bucket, compressed?, rows n, cols m, rank r) per parameter, in bucket order,
         and the compressed ones in the order PowerSGD packs P and Q (grouped by matrix shape, first seen first)."""
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
@@ -178,6 +178,9 @@ class CountingHook:
             for name, _, _, _, n, m, r in packed:
                 self._pool.setdefault(name, {}).update(p=p_mem[po:po + n * r].clone(), q=q_mem[qo:qo + m * r].clone())
                 po, qo = po + n * r, qo + m * r
+            if (po, qo) != (p_mem.numel(), q_mem.numel()):  # the packing above must be PowerSGD's
+                raise RuntimeError(f"PowerSGD bucket {index}: P/Q hold {p_mem.numel()}/{q_mem.numel()} elements, "
+                                   f"the parameters {po}/{qo}")
 
     def _match_layout(self, bucket: dist.GradBucket) -> None:
         """Before a compressed call: if this bucket's parameters are not the ones its state was made for, move
@@ -193,11 +196,14 @@ class CountingHook:
         views = [g.storage_offset() - ref.storage_offset() for g in bucket.gradients()]
         if views != [row[2] for row in rows]:  # the slicing below assumes gradients packed back to back
             raise RuntimeError(f"DDP bucket {index}: gradient offsets {views[:4]}... are not packed in order")
-        if all("error" in self._pool.get(name, {}) for name, *_ in rows) and rows:
+        had_state = bool(rows) and all("error" in self._pool.get(name, {}) for name, *_ in rows)
+        if had_state:
             ps.error_dict[index] = torch.cat([self._pool[name].pop("error") for name, *_ in rows]).to(ref)
         if packed and all("q" in self._pool.get(row[0], {}) for row in packed):
             ps.p_memory_dict[index] = torch.cat([self._pool[row[0]].pop("p") for row in packed]).to(ref)
             ps.q_memory_dict[index] = torch.cat([self._pool[row[0]].pop("q") for row in packed]).to(ref)
+        elif not packed and had_state:  # nothing to compress here: PowerSGD keeps empty P/Q (no new RNG draw)
+            ps.p_memory_dict[index], ps.q_memory_dict[index] = ref.new_empty(0), ref.new_empty(0)
         for name, *_ in rows:
             if not self._pool.get(name, True):
                 del self._pool[name]
