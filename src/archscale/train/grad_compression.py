@@ -218,7 +218,8 @@ class CountingHook:
         for index in list(self._layouts):
             self._to_pool(index)  # per parameter; rebuilt by the next compressed call
         self._touched.clear()
-        out["powersgd"] = {"iter": ps.iter, "rng": ps.rng.get_state(), "numel_before": ps.total_numel_before_compression,
+        out["powersgd"] = {"iter": ps.iter, "rng": ps.rng.get_state(),
+                           "numel_before": ps.total_numel_before_compression,
                            "numel_after": ps.total_numel_after_compression, "next_stats": ps.next_stats_report,
                            "params": {name: dict(v) for name, v in self._pool.items()}}
         return out
