@@ -109,6 +109,25 @@ def test_powersgd_error_feedback_changes_and_round_trips_through_the_train_state
     assert not torch.equal(fresh[-1], straight[-1])
 
 
+def test_a_nonfinite_step_resets_what_it_poisoned_and_other_methods_start_afresh(one_rank_group):
+    spec = parse_grad_compression("powersgd:rank=2")
+    ddp = DDP(toy(), gradient_as_bucket_view=True)
+    hook = install(ddp, spec)
+    train(ddp, hook, 3)
+    ps = hook.powersgd
+    (index,) = ps.error_dict
+    ps.error_dict[index][0] = float("nan")
+    ps.q_memory_dict[index][0] = float("inf")
+    hook.drop_nonfinite()
+    assert torch.equal(ps.error_dict[index], torch.zeros_like(ps.error_dict[index]))
+    assert index not in ps.q_memory_dict and index not in ps.p_memory_dict  # PowerSGD draws a new Q
+    grads = train(ddp, hook, 1)
+    assert torch.isfinite(grads[0]).all()
+    other = install(DDP(toy(), gradient_as_bucket_view=True), parse_grad_compression("fp16"))
+    note = other.load_state_dict(hook.state_dict())
+    assert "starts afresh" in note and other.steps == 4  # the byte counts carry over
+
+
 def test_no_hook_and_the_counting_allreduce_give_the_same_gradients(one_rank_group):
     """`none` (torch's allreduce_hook, counted) is DDP's own all-reduce: bitwise the same gradients."""
     plain = DDP(toy(), gradient_as_bucket_view=True)
