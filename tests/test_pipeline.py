@@ -115,6 +115,8 @@ def test_dry_run_shows_the_cut_and_refuses_bad_combinations():
            "does not combine with --strategy fsdp": (["--pp", "2", "--strategy", "fsdp"], 2),
            "does not combine with --ep": (["--pp", "2", "--moe", "4:2", "--ep", "2"], 2),
            "does not combine with tied embeddings": (["--pp", "2", "--tie_embeddings"], 2),
+           "does not combine with --grad_compression": (["--pp", "2", "--strategy", "ddp", "--grad_compression",
+                                                         "fp16"], 2),
            "1f1b needs at least --pp 4 micro-batches": (["--pp", "4", "--micro_bsz", "4"], 4),
            "--pp_layers cuts a pipeline": (["--pp_layers", "4,4"], 1),
            "--pp_schedule 'zb' is unknown": (["--pp", "2", "--pp_schedule", "zb"], 2)}

@@ -13,6 +13,7 @@ from archscale.scaling_rules import PARAMETRIZATIONS, BaseHyperparameters
 from archscale.train.curriculum import parse_curriculum
 from archscale.train.deepspeed_engine import check_options as check_deepspeed_options
 from archscale.train.distributed import check_strategy
+from archscale.train.grad_compression import check_grad_compression
 from archscale.train.schedule import SCHEDULES
 
 
@@ -57,6 +58,7 @@ class PretrainConfig:
     fp16_scale_window: int = 1000  # fp16-mixed: clean steps before the loss scale doubles
     curriculum: str = "none"  # none | seqlen:start=S,steps=N[,schedule=linear|root]
     strategy: str = "auto"  # auto (single for one process, fsdp otherwise) | single | ddp | fsdp | deepspeed
+    grad_compression: str = "none"  # --strategy ddp: none | fp16 | bf16 | powersgd:rank=R[,start=S] (DDP comm hooks)
     zero_stage: int = 2  # --strategy deepspeed: ZeRO stage 0..3
     offload: str = "none"  # --strategy deepspeed: none | optimizer | params (params needs ZeRO 3)
     act_ckpt: bool = False  # activation checkpointing per block
@@ -222,6 +224,7 @@ def validate(cfg: PretrainConfig) -> None:
             raise UserError(msg)
     moe_options(cfg)
     check_strategy(cfg.strategy)
+    check_grad_compression(cfg.grad_compression, cfg.strategy, cfg.precision)
     parse_curriculum(cfg.curriculum, cfg.ctx_len)
     check_deepspeed_options(cfg.zero_stage, cfg.offload)
     rope_scaling_factor(cfg.rope_scaling)

@@ -79,7 +79,8 @@ def check_pp(cfg, n_layer: int, world_size: int, microbatches: int, tie: bool) -
                         f"{n_layer} (raise --depth or lower --pp)")
     unsupported = [("--strategy " + cfg.strategy, cfg.strategy not in ("auto", "ddp")), ("--ep", cfg.ep > 1),
                    ("tied embeddings", tie), ("--varlen", cfg.varlen), ("--curriculum", cfg.curriculum != "none"),
-                   ("--precision fp16-mixed", cfg.precision == "fp16-mixed"), ("--fsdp_save_mem", cfg.fsdp_save_mem)]
+                   ("--precision fp16-mixed", cfg.precision == "fp16-mixed"), ("--fsdp_save_mem", cfg.fsdp_save_mem),
+                   ("--grad_compression", (cfg.grad_compression or "none") != "none")]
     for what, bad in unsupported:
         if bad:
             raise UserError(f"--pp {pp} does not combine with {what} (pipeline stages run with plain data "

@@ -45,6 +45,7 @@ class Strategy:
 
     name = "single"
     experts = None  # expert parallelism (train/expert_parallel.ExpertParallel), set by the trainer with --ep
+    comm = None  # DDP: the counting (and --grad_compression) hook, train/grad_compression.CountingHook
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, accum: int,
                  scaler: Optional[torch.amp.GradScaler] = None):
@@ -121,8 +122,20 @@ class DDPStrategy(Strategy):
     def no_sync(self, micro: int):
         return self.model.no_sync() if micro < self.accum - 1 else nullcontext()
 
+    def clip_and_step(self, apply: bool = True) -> StepOutcome:
+        outcome = super().clip_and_step(apply)
+        if self.comm is not None:
+            if not outcome.applied:
+                self.comm.drop_nonfinite()
+            self.comm.end_step()
+        return outcome
+
     def state_dict_target(self):
         return unwrap(self.model), self.optimizer, None  # DCP keys without DDP's "module." prefix
+
+    def describe(self) -> str:
+        method = self.comm.spec.describe() if self.comm is not None else "none"
+        return self.name + (f" + {method} gradient compression" if method != "none" else "")
 
 
 class DeepSpeedStrategy(Strategy):
@@ -181,12 +194,12 @@ class DeepSpeedStrategy(Strategy):
 def build_strategy(env: DistEnv, model: torch.nn.Module, groups: list[dict], *, lr: float,
                    betas: tuple[float, float], eps: float, accum: int, micro_bsz: int, precision: str,
                    zero_stage: int = 2, offload: str = "none", universal_from: Optional[Callable[[], Path]] = None,
-                   fp16_scale_window: int = 1000) -> tuple[Strategy, Optional[dict]]:
+                   fp16_scale_window: int = 1000, grad_compression: str = "none") -> tuple[Strategy, Optional[dict]]:
     """The strategy for `env.strategy` around the parallelized `model`, with its optimizer over `groups`.
     Returns (strategy, DeepSpeed config or None). `universal_from()` converts the checkpoint to resume (when it
     was saved by DeepSpeed with another world size) and returns where the converted copy is. fp16-mixed: both
     scalers start at 2**16, halve on an overflow (skipping that step) and double after `fp16_scale_window`
-    overflow-free steps."""
+    overflow-free steps. DDP gets the `grad_compression` hook (none: a plain all-reduce, counted)."""
     if env.strategy != "deepspeed":
         from archscale.train.optim import build_adamw
 
@@ -194,7 +207,12 @@ def build_strategy(env: DistEnv, model: torch.nn.Module, groups: list[dict], *, 
         scaler = (torch.amp.GradScaler(env.device.type, init_scale=2.0 ** 16, backoff_factor=0.5, growth_factor=2.0,
                                        growth_interval=fp16_scale_window) if precision == "fp16-mixed" else None)
         cls = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}.get(env.strategy, Strategy)
-        return cls(model, optimizer, accum, scaler), None
+        strategy = cls(model, optimizer, accum, scaler)
+        if env.strategy == "ddp":
+            from archscale.train.grad_compression import install, parse_grad_compression
+
+            strategy.comm = install(model, parse_grad_compression(grad_compression))
+        return strategy, None
     from archscale.train.deepspeed_engine import build_engine, ds_config
 
     config = ds_config(micro_bsz=micro_bsz, grad_accum=accum, world_size=env.world_size, zero_stage=zero_stage,

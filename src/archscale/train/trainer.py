@@ -43,6 +43,7 @@ from archscale.ops.cross_entropy import select_loss
 from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
 from archscale.train.metrics import Progress, peak_flops
 from archscale.train.optim import param_groups, set_lr
+from archscale.train.grad_compression import parse_grad_compression
 from archscale.train.expert_parallel import ExpertParallel, check_ep, expert_param_groups, expert_params
 from archscale.train.parallelize import apply_act_ckpt, apply_compile, parallelize, unwrap
 from archscale.train.pipeline import PipelineStrategy, build_pipeline, check_pp, pipeline_summary
@@ -172,6 +173,7 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
         "train_name_settings": plan.train_name_settings,
         # the law against the active parameters (all of them for a dense model; k of E experts for an MoE)
         "n_params_law": law, "n_params_law_deviation": law / meta.num_params(active=True) - 1.0,
+        "grad_compression": parse_grad_compression(cfg.grad_compression).describe(),
         "notes": dry_run_notes(cfg),
         **({"pipeline": pipeline_summary(cfg, m.n_layer, plan.grad_accum)} if cfg.pp > 1 else {}),
     }
@@ -238,6 +240,14 @@ def check_token_range(batch: torch.Tensor, vocab_size: int, data_dir: str) -> No
     if top >= vocab_size:
         raise UserError(f"{data_dir}: token id {top} >= vocab size {vocab_size}; the shards were made with a "
                         "larger tokenizer (pass the right --vocab_size)")
+
+
+def comm_summary(comm) -> str:
+    """The final line's DDP traffic: bytes each rank put into the gradient all-reduces (run total, per step)."""
+    if comm is None or not comm.steps:
+        return ""
+    return (f", gradient all-reduce ({comm.spec.describe()}) {comm.total_bytes:,} bytes per rank "
+            f"({comm.total_bytes / comm.steps:,.0f} per step)")
 
 
 class _StopFlag:
@@ -510,6 +520,7 @@ class Trainer:
                 env, model, self.groups, lr=self.plan.lr, betas=(hps.beta1_0, hps.beta2_0), eps=hps.eps0,
                 accum=self.plan.grad_accum, micro_bsz=cfg.micro_bsz, precision=cfg.precision,
                 zero_stage=cfg.zero_stage, offload=cfg.offload, fp16_scale_window=cfg.fp16_scale_window,
+                grad_compression=cfg.grad_compression,
                 universal_from=self.checkpoints.universal_copy(self.resume_from))
         self.strategy.experts = self.experts
         if ds_cfg is not None and env.is_main:
@@ -596,6 +607,10 @@ class Trainer:
         if self.strategy.scaler is not None and state.get("grad_scaler"):
             self.strategy.scaler.load_state_dict(state["grad_scaler"])
         saved_world = state.get("world_size", 1)
+        if self.strategy.comm is not None:  # --grad_compression: PowerSGD's error feedback, the byte counts
+            note = self.strategy.comm.load_state_dict(state.get("grad_compression"), saved_world == self.env.world_size)
+            if note:
+                self.log(note)
         self.log(f"resumed from {resume_from} at step {state['step']} ({state['tokens']:,} tokens)"
                  + (f"; world size {saved_world} -> {self.env.world_size}" if saved_world != self.env.world_size
                     else ""))
@@ -604,7 +619,7 @@ class Trainer:
     def _open_loggers(self) -> None:
         cfg, plan, env = self.cfg, self.plan, self.env
         extra_cols = (("loss_scale",) if cfg.precision == "fp16-mixed" else ()) + (
-            ("seq_len",) if cfg.curriculum != "none" else ())
+            ("seq_len",) if cfg.curriculum != "none" else ()) + (("comm_bytes",) if self.strategy.comm else ())
         wb_config, wb_tags = seed_wandb_config(cfg)
         if env.is_main:
             self.metrics = Loggers(self.out_dir, cfg.logger, extra=extra_cols,
@@ -669,7 +684,8 @@ class Trainer:
         train_state = {"step": state.step, "tokens": state.tokens, "loader": self.loader.state_dict(),
                        "rng": self.checkpoints.rng_state(), "world_size": self.env.world_size,
                        "strategy": self.env.strategy, "batch_tokens": self.plan.batch_tokens,
-                       "grad_scaler": self.strategy.scaler.state_dict() if self.strategy.scaler is not None else None}
+                       "grad_scaler": self.strategy.scaler.state_dict() if self.strategy.scaler is not None else None,
+                       "grad_compression": self.strategy.comm.state_dict() if self.strategy.comm is not None else None}
         self.last_checkpoint = self.checkpoints.save(state.step, self.strategy, train_state, self.config_yaml,
                                                      self.cfg.keep_last)
         return self.last_checkpoint
@@ -713,6 +729,8 @@ class Trainer:
                 row["loss_scale"] = self.strategy.loss_scale()
             if self.curriculum is not None:
                 row["seq_len"] = result.seq_len
+            if self.strategy.comm is not None:  # bytes this rank all-reduced for the step's gradients
+                row["comm_bytes"] = self.strategy.comm.last_step_bytes
             row.update({f"lr_{g.get('name', i)}": result.lr * g.get("lr_mult", 1.0)
                         for i, g in enumerate(self.groups)})
             self.metrics.write(**row)
@@ -759,5 +777,6 @@ class Trainer:
         if last_saved != state.step:
             self.save()
         self.log(f"done: step {state.step}, {state.tokens:,} tokens"
-                 + (f", val_loss {val_loss:.4f}" if val_loss is not None else "") + f". Run dir: {self.out_dir}")
+                 + (f", val_loss {val_loss:.4f}" if val_loss is not None else "") + comm_summary(self.strategy.comm)
+                 + f". Run dir: {self.out_dir}")
         return self.out_dir
