@@ -149,7 +149,7 @@ def main(argv=None) -> None:
     p.add_argument("--hf_rounds", type=int, default=2, help="rounds that include HF (it is very slow)")
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--skip_mambapy", action="store_true")
-    p.add_argument("--scan_impl", default="chunked", help="our selective_scan impl (chunked, ref, auto)")
+    p.add_argument("--scan_impl", default="chunked", help="our selective_scan impl (chunked, cpu, ref, auto)")
     p.add_argument("--chunk", type=int, default=0, help="override the chunked scan's chunk length")
     p.add_argument("--block", type=int, default=0, help="override the chunked scan's block length")
     p.add_argument("--batch", type=int, default=4)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from archscale.config import ModelConfig
+from archscale.kernels import scan_cpu
 from archscale.kernels.selective_scan import cuda_scan_available, selective_scan, selective_state_update
 from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, options_of,
                                          register)
@@ -209,5 +210,8 @@ SPEC = register(MixerSpec(
     memory_width=lambda config, kind: options(config).expand * config.n_embd if kind == "mamba_mem" else 0,
     kernels=(KernelRef("mamba_ssm.selective_scan_fn", cuda_scan_available,
                        "archscale.kernels.selective_scan._scan_ref",
-                       "tests/test_mamba.py::test_cuda_kernel_module_matches_reference"),),
+                       "tests/test_mamba.py::test_cuda_kernel_module_matches_reference"),
+             KernelRef("archscale.kernels.scan_cpu (C++, built on first use)", scan_cpu.available,
+                       "archscale.kernels.selective_scan._scan_ref",
+                       "tests/test_selective_scan.py::test_chunked_matches_ref_fp32")),
 ))
