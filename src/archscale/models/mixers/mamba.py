@@ -90,8 +90,9 @@ class Mamba(nn.Module):
         T = x.shape[1]
         if doc_ids is not None and state is not None:
             raise ValueError("doc_ids is for training-style forwards, not for decoding with a state")
-        xz = self.in_proj(x).transpose(1, 2)                                  # (B, 2*d_inner, T)
-        xs, z = xz.chunk(2, dim=1)
+        # split on the feature dim, then transpose views (B, d_inner, T): the gradients meet again in a plain cat
+        # of two (B, T, d_inner) halves, with no transposed copy of the whole (B, T, 2*d_inner) for in_proj
+        xs, z = (t.transpose(1, 2) for t in self.in_proj(x).chunk(2, dim=-1))
         reset = None
         if doc_ids is not None:
             xs = self._doc_conv(xs, doc_ids)
