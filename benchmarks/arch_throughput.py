@@ -3,9 +3,9 @@ ArchScale's aspect ratio (so about equal non-embedding parameters), vocab 8192, 
 cross-entropy + backward + fused AdamW, fp32.
 
 All models live in one process and are timed in alternating rounds (order reversed every round). Reported per
-model: the median and the best tok/s over the rounds (CPU time of this process, which a busy neighbour
-distorts less than wall time), and the ratio to the first architecture. Only same-run ratios mean anything on a
-shared machine.
+model: the median and the best tok/s over the rounds in wall time, the median in CPU time of this process (which a
+busy neighbour distorts less, but which with several threads also counts threads waiting for work), and the
+ratios to the first architecture. Only same-run ratios mean anything on a shared machine.
 
     .venv/bin/python benchmarks/arch_throughput.py                                   # transformer vs mamba, d4
     .venv/bin/python benchmarks/arch_throughput.py --archs transformer,mamba,samba,sambay --rounds 6
@@ -61,20 +61,23 @@ def main(argv=None) -> None:
     for name, (model, opt, body) in models.items():
         print(f"  {name}_d{a.depth}: {body / 1e6:.2f}M non-embedding parameters")
         step(model, opt, x)  # warm-up (and the C++ scan's first-use build)
-    times = {name: [] for name in archs}
+    wall = {name: [] for name in archs}
+    cpu = {name: [] for name in archs}
     for r in range(a.rounds):
         for name in (archs if r % 2 == 0 else archs[::-1]):
             model, opt, _ = models[name]
-            t0 = time.process_time()
+            t0, c0 = time.perf_counter(), time.process_time()
             step(model, opt, x)
-            times[name].append(time.process_time() - t0)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
     tokens = a.batch * a.seq
-    base = statistics.median(times[archs[0]])
-    print(f"| model | tok/s (median) | tok/s (best) | ratio to {archs[0]} (medians) |")
-    print("|---|---|---|---|")
+    base, base_cpu = statistics.median(wall[archs[0]]), statistics.median(cpu[archs[0]])
+    print(f"| model | tok/s (median) | tok/s (best) | ratio to {archs[0]} | ratio in CPU time |")
+    print("|---|---|---|---|---|")
     for name in archs:
-        med = statistics.median(times[name])
-        print(f"| {name}_d{a.depth} | {tokens / med:,.0f} | {tokens / min(times[name]):,.0f} | {base / med:.2f} |")
+        med, med_cpu = statistics.median(wall[name]), statistics.median(cpu[name])
+        print(f"| {name}_d{a.depth} | {tokens / med:,.0f} | {tokens / min(wall[name]):,.0f} | {base / med:.2f} | "
+              f"{base_cpu / med_cpu:.2f} |")
     print(f"load avg at the end {os.getloadavg()[0]:.2f}")
 
 
