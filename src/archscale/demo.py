@@ -90,11 +90,13 @@ def cpu_has_bf16() -> bool:
 # non-embedding parameters are 0.6% apart (Transformer++ width 256: 3,803,392; SambaY width 240: 3,827,760).
 DEMO_DEPTH = 4
 DEMO_MODELS: tuple[tuple[str, str, int], ...] = (("Transformer++", "transformer", 64), ("SambaY", "sambay", 60))
-# Optimizer steps per minute of training (both models together), per precision. Estimated, not measured on a
-# quiet machine: single-thread CPU-time ratios against the previous demo model (Transformer++ d2, width 256, which
-# trained 2.2M tokens in ~3 minutes with bf16) put the pair at ~2,500 tokens/s with bf16; fp32 is slower.
-STEPS_PER_MINUTE = {"bf16-mixed": 64, "fp32": 42}
-DEFAULT_MINUTES = 2.5
+# Optimizer steps per minute of training (both models together), per precision. bf16: measured on a quiet 2-core
+# machine (2026-12-01, `make demo` on a fresh clone): 160 steps of the pair took 87 s (Transformer++) + ~100 s
+# (SambaY, with the C++ scan). fp32: scaled by the earlier fp32/bf16 estimate (42/64), not measured.
+STEPS_PER_MINUTE = {"bf16-mixed": 51, "fp32": 33}
+# With the install (~2 min from the local wheels), data preparation and sampling, `make demo` on a fresh clone
+# stays under 5 minutes.
+DEFAULT_MINUTES = 2.0
 RESULT_FILE = "demo_result.json"  # written when a run finished; a re-run with the same settings reuses the run
 
 
@@ -303,6 +305,10 @@ def run_demo(work_dir: str, minutes: float = DEFAULT_MINUTES, cache_dir: str | N
     cache = Path(cache_dir or os.environ.get("ARCHSCALE_CACHE", Path.home() / ".cache" / "archscale"))
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
+    if os.environ.get("ARCHSCALE_SCAN_IMPL", "auto") in ("", "auto", "cpu"):  # SambaY's Mamba layers need it
+        from archscale.kernels import scan_cpu
+
+        scan_cpu.build_in_background()  # compiles while the data is prepared and the Transformer++ trains
     tok_path, data = build_demo_data(work, cache)
 
     precision = "bf16-mixed" if cpu_has_bf16() else "fp32"  # bf16 autocast only where the CPU has native bf16

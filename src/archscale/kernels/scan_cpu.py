@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import platform
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -24,6 +25,7 @@ SOURCE = Path(__file__).with_name("csrc") / "selective_scan_cpu.cpp"
 BLOCK = 64  # steps whose states the backward recomputes at a time (64 x d_state floats per channel)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
 _state: dict[str, object] = {}
+_lock = threading.Lock()  # one build per process, whichever thread asks first (see build_in_background)
 
 
 def _machine_tag() -> str:
@@ -37,6 +39,19 @@ def _machine_tag() -> str:
 
 
 def _load():
+    with _lock:
+        return _load_locked()
+
+
+def build_in_background() -> threading.Thread:
+    """Start building (or loading) the kernel on a daemon thread, so a caller with other work first (the demo's
+    data preparation and Transformer++ run) does not wait for the compiler later."""
+    thread = threading.Thread(target=_load, name="archscale-scan-build", daemon=True)
+    thread.start()
+    return thread
+
+
+def _load_locked():
     if "module" not in _state:
         _state["module"], _state["error"] = None, None
         try:
