@@ -90,13 +90,14 @@ def cpu_has_bf16() -> bool:
 # non-embedding parameters are 0.6% apart (Transformer++ width 256: 3,803,392; SambaY width 240: 3,827,760).
 DEMO_DEPTH = 4
 DEMO_MODELS: tuple[tuple[str, str, int], ...] = (("Transformer++", "transformer", 64), ("SambaY", "sambay", 60))
-# Optimizer steps per minute of training (both models together), per precision. bf16: measured on a quiet 2-core
-# machine (2026-12-01, `make demo` on a fresh clone): 160 steps of the pair took 87 s (Transformer++) + ~100 s
-# (SambaY, with the C++ scan). fp32: scaled by the earlier fp32/bf16 estimate (42/64), not measured.
-STEPS_PER_MINUTE = {"bf16-mixed": 51, "fp32": 33}
-# With the install (~2 min from the local wheels), data preparation and sampling, `make demo` on a fresh clone
-# stays under 5 minutes.
-DEFAULT_MINUTES = 2.0
+# Optimizer steps per minute of training (both models together), per precision. Estimated, not measured on a
+# quiet machine: single-thread CPU-time ratios against the previous demo model (Transformer++ d2, width 256, which
+# trained 2.2M tokens in ~3 minutes with bf16) put the pair at ~2,500 tokens/s with bf16; fp32 is slower.
+# Measured on a fresh clone (2026-12-01, 2 quiet cores, bf16): the 160 steps took 87 s (Transformer++) + 174 s
+# (SambaY, including the first build of the C++ scan, which now overlaps the data preparation and the
+# Transformer++ run instead). Fewer steps (102, tried) flip the comparison: SambaY is still behind there.
+STEPS_PER_MINUTE = {"bf16-mixed": 64, "fp32": 42}
+DEFAULT_MINUTES = 2.5
 RESULT_FILE = "demo_result.json"  # written when a run finished; a re-run with the same settings reuses the run
 
 
