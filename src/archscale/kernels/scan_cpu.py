@@ -3,10 +3,10 @@
 The chunked PyTorch scan is memory-bound on CPU: it writes (steps, batch, d_inner, d_state) tensors many times
 per step. The C++ kernel keeps each channel's d_state-long state in registers and writes only y, so a Mamba
 layer costs about what its projections cost (figures in docs/BENCHMARKS.md). It is compiled once per machine
-with torch's C++ extension builder (a C++ compiler and `ninja`; ~30-60 s, cached under
+with torch's C++ extension builder (a C++ compiler and `ninja`; about a minute, cached under
 ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). When it cannot be built the scan falls back to
-the chunked path with one warning; ``ARCHSCALE_SCAN_IMPL=chunked`` keeps it off (and skips the build). Its results are checked against
-the step-by-step reference (values and gradients) in tests/test_selective_scan.py.
+the chunked path with one warning; ``ARCHSCALE_SCAN_IMPL=chunked`` keeps it off (and skips the build). Its
+results are checked against the step-by-step reference (values and gradients) in tests/test_selective_scan.py.
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def _load_locked():
         try:
             from torch.utils.cpp_extension import load
 
-            print("archscale: building the CPU selective-scan kernel (once per machine, ~30-60 s) ...",
-                  file=sys.stderr, flush=True) if not _built_before() else None
+            if not _built_before():
+                print("archscale: building the CPU selective-scan kernel (once per machine, about a minute) ...",
+                      file=sys.stderr, flush=True)
             _state["module"] = load(name=f"archscale_scan_cpu_{_machine_tag()}", sources=[str(SOURCE)],
                                     extra_cflags=FLAGS, verbose=False)
         except Exception as e:  # no compiler / ninja, or a failed build: the chunked path still works
