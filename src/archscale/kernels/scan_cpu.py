@@ -89,54 +89,51 @@ def unavailable_reason() -> str | None:
 
 
 # Custom ops, so torch.compile traces through the kernel instead of breaking the graph at a pybind call.
-# Absent optional inputs (h0, keep, bias, D, z) are passed as empty tensors.
+# Absent optional inputs (h0, keep, D, z) are passed as empty tensors.
 @torch.library.custom_op("archscale::selective_scan_cpu_fwd", mutates_args=())
-def _fwd(u: Tensor, delta: Tensor, A: Tensor, Bt: Tensor, Ct: Tensor, h0: Tensor, keep: Tensor, bias: Tensor,
-         D: Tensor, z: Tensor, softplus: bool, block: int) -> tuple[Tensor, Tensor, Tensor]:
-    y, last, starts = _load().forward(u, delta, A, Bt, Ct, h0, keep, bias, D, z, softplus, block,
-                                      torch.get_num_threads())
+def _fwd(u: Tensor, dt: Tensor, A: Tensor, Bt: Tensor, Ct: Tensor, h0: Tensor, keep: Tensor, D: Tensor, z: Tensor,
+         block: int) -> tuple[Tensor, Tensor, Tensor]:
+    y, last, starts = _load().forward(u, dt, A, Bt, Ct, h0, keep, D, z, block, torch.get_num_threads())
     return y, last, starts
 
 
 @_fwd.register_fake
-def _(u, delta, A, Bt, Ct, h0, keep, bias, D, z, softplus, block):
+def _(u, dt, A, Bt, Ct, h0, keep, D, z, block):
     b, d, L = u.shape
     n = A.shape[1]
     return u.new_empty(b, L, d), u.new_empty(b, d, n), u.new_empty(b, d, -(-L // block), n)
 
 
 @torch.library.custom_op("archscale::selective_scan_cpu_bwd", mutates_args=())
-def _bwd(gy: Tensor, glast: Tensor, u: Tensor, delta: Tensor, A: Tensor, Bt: Tensor, Ct: Tensor, keep: Tensor,
-         bias: Tensor, D: Tensor, z: Tensor, softplus: bool, starts: Tensor,
-         block: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    out = _load().backward(gy, glast, u, delta, A, Bt, Ct, keep, bias, D, z, softplus, starts, block,
-                           torch.get_num_threads())
+def _bwd(gy: Tensor, glast: Tensor, u: Tensor, dt: Tensor, A: Tensor, Bt: Tensor, Ct: Tensor, keep: Tensor,
+         D: Tensor, z: Tensor, starts: Tensor,
+         block: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    out = _load().backward(gy, glast, u, dt, A, Bt, Ct, keep, D, z, starts, block, torch.get_num_threads())
     return tuple(out)
 
 
 @_bwd.register_fake
-def _(gy, glast, u, delta, A, Bt, Ct, keep, bias, D, z, softplus, starts, block):
+def _(gy, glast, u, dt, A, Bt, Ct, keep, D, z, starts, block):
     b, d, L = u.shape
     return (u.new_empty(b, d, L), u.new_empty(b, d, L), torch.empty_like(A), torch.empty_like(Bt),
-            torch.empty_like(Ct), u.new_empty(b, d, A.shape[1]), u.new_empty(d), u.new_empty(d),
+            torch.empty_like(Ct), u.new_empty(b, d, A.shape[1]), u.new_empty(d),
             u.new_empty(b, L, d) if z.numel() else u.new_empty(0))
 
 
 def _setup(ctx, inputs, output):
-    u, delta, A, Bt, Ct, h0, keep, bias, D, z, softplus, block = inputs
-    ctx.save_for_backward(u, delta, A, Bt, Ct, keep, bias, D, z, output[2])
-    ctx.softplus, ctx.block, ctx.has_h0 = softplus, block, h0.numel() > 0
+    u, dt, A, Bt, Ct, h0, keep, D, z, block = inputs
+    ctx.save_for_backward(u, dt, A, Bt, Ct, keep, D, z, output[2])
+    ctx.block, ctx.has_h0 = block, h0.numel() > 0
 
 
 def _backward(ctx, gy, glast, _gstarts):
-    u, delta, A, Bt, Ct, keep, bias, D, z, starts = ctx.saved_tensors
+    u, dt, A, Bt, Ct, keep, D, z, starts = ctx.saved_tensors
     b, d, L = u.shape
     gy = gy.transpose(1, 2) if gy is not None else u.new_zeros(b, d, L)   # y is (b, L, d): read as (b, d, L)
     glast = glast.contiguous() if glast is not None else u.new_zeros(b, d, A.shape[1])
-    gu, gdelta, gA, gB, gC, gh0, gbias, gD, gz = _bwd(gy, glast, u, delta, A, Bt, Ct, keep, bias, D, z,
-                                                      ctx.softplus, starts, ctx.block)
-    return (gu, gdelta, gA, gB, gC, gh0 if ctx.has_h0 else None, None, gbias if bias.numel() else None,
-            gD if D.numel() else None, gz.transpose(1, 2) if z.numel() else None, None, None)
+    gu, gdt, gA, gB, gC, gh0, gD, gz = _bwd(gy, glast, u, dt, A, Bt, Ct, keep, D, z, starts, ctx.block)
+    return (gu, gdt, gA, gB, gC, gh0 if ctx.has_h0 else None, None, gD if D.numel() else None,
+            gz.transpose(1, 2) if z.numel() else None, None)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup)
@@ -159,6 +156,6 @@ def fused_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor
         return uf.new_zeros(b, d, 0), last
     keep = uf.new_empty(0) if reset is None else (~reset).to(torch.float32).contiguous()
     y, last, _ = _fwd(uf, dt.float(), A.float().contiguous(), B.float().transpose(1, 2).contiguous(),
-                      C.float().transpose(1, 2).contiguous(), _f32(h0, uf).contiguous(), keep, uf.new_empty(0),
-                      _f32(D, uf).contiguous(), _f32(z, uf), False, BLOCK)
+                      C.float().transpose(1, 2).contiguous(), _f32(h0, uf).contiguous(), keep,
+                      _f32(D, uf).contiguous(), _f32(z, uf), BLOCK)
     return y.transpose(1, 2), last

@@ -4,14 +4,14 @@
 // makes ~30 passes over them per layer and step: on CPU it is memory-bound. Here each (batch, channel) pair runs
 // its recurrence with the d_state-long state in registers, reading only the (batch, channel, time) and
 // (batch, time, d_state) inputs; nothing of size time x d_state x d_inner is ever written. The elementwise
-// head and tail of the scan (dt bias and softplus, the D skip, the silu(z) gate) are fused in, so the Mamba
-// layer around it makes no extra passes. Backward recomputes the states of one block (BLOCK steps) at a time
+// tail of the scan (the D skip, the silu(z) gate) is fused in, so the Mamba layer makes no extra passes after
+// it (dt's bias and softplus stay in torch, whose vectorised softplus is faster than a scalar one here). Backward recomputes the states of one block (BLOCK steps) at a time
 // from the state saved at the block start, then runs the adjoint recurrence in reverse. Semantics are those
 // of `selective_scan(..., impl="ref")` (the test oracle):
-//     dt_t = softplus(delta_t + bias);  a_t = exp(dt_t * A) * keep_t;  h_t = a_t h_{t-1} + dt_t u_t B_t
+//     a_t = exp(dt_t * A) * keep_t;  h_t = a_t h_{t-1} + dt_t u_t B_t
 //     y_t = (C_t . h_t + D u_t) * silu(z_t)
-// Layouts, fp32: u, delta, z, gy: (b, d, L) with any strides (the Mamba layer passes transposed views);
-// A (d, n); Bt, Ct (b, L, n) contiguous; h0 (b, d, n); keep (b, L) or empty; bias, D (d) or empty; z may be
+// Layouts, fp32: u, dt, z, gy: (b, d, L) with any strides (the Mamba layer passes transposed views);
+// A (d, n); Bt, Ct (b, L, n) contiguous; h0 (b, d, n); keep (b, L) or empty; D (d) or empty; z may be
 // empty. y is written (b, L, d)-contiguous: what out_proj reads.
 
 #include <torch/extension.h>
@@ -82,41 +82,30 @@ Dims dims_of(const torch::Tensor& u, const torch::Tensor& A, int64_t block) {
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }  // 0 / 1 at the clamps, as expf
 
-// torch's softplus (threshold 20: above it, x itself)
-inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
-
-// The inputs every channel reads, and the optional head/tail.
+// The inputs every channel reads, and the optional tail.
 struct Inputs {
-  View u, delta, z;
-  const float *A, *Bt, *Ct, *h0, *keep, *bias, *D;
-  bool use_softplus;
-  Inputs(const torch::Tensor& u_, const torch::Tensor& delta_, const torch::Tensor& A_, const torch::Tensor& Bt_,
-         const torch::Tensor& Ct_, const torch::Tensor& h0_, const torch::Tensor& keep_, const torch::Tensor& bias_,
-         const torch::Tensor& D_, const torch::Tensor& z_, bool sp)
-      : u(u_), delta(delta_), z(z_), A(A_.data_ptr<float>()), Bt(Bt_.data_ptr<float>()), Ct(Ct_.data_ptr<float>()),
+  View u, dt, z;
+  const float *A, *Bt, *Ct, *h0, *keep, *D;
+  Inputs(const torch::Tensor& u_, const torch::Tensor& dt_, const torch::Tensor& A_, const torch::Tensor& Bt_,
+         const torch::Tensor& Ct_, const torch::Tensor& h0_, const torch::Tensor& keep_, const torch::Tensor& D_,
+         const torch::Tensor& z_)
+      : u(u_), dt(dt_), z(z_), A(A_.data_ptr<float>()), Bt(Bt_.data_ptr<float>()), Ct(Ct_.data_ptr<float>()),
         h0(h0_.numel() ? h0_.data_ptr<float>() : nullptr), keep(keep_.numel() ? keep_.data_ptr<float>() : nullptr),
-        bias(bias_.numel() ? bias_.data_ptr<float>() : nullptr), D(D_.numel() ? D_.data_ptr<float>() : nullptr),
-        use_softplus(sp) {}
-  // dt of channel (bi, di) for every step (row[t]), and d dt / d delta (grad[t]) if asked
-  void dt_row(const Dims& s, int64_t bi, int64_t di, float* row, float* grad) const {
-    const float b0 = bias ? bias[di] : 0.0f;
-    for (int64_t t = 0; t < s.L; ++t) {
-      const float x = delta.at(bi, di, t) + b0;
-      row[t] = use_softplus ? softplus(x) : x;
-      if (grad) grad[t] = use_softplus ? (x > 20.0f ? 1.0f : sigmoid(x)) : 1.0f;
-    }
+        D(D_.numel() ? D_.data_ptr<float>() : nullptr) {}
+  // dt of channel (bi, di) for every step, contiguous
+  void dt_row(const Dims& s, int64_t bi, int64_t di, float* row) const {
+    for (int64_t t = 0; t < s.L; ++t) row[t] = dt.at(bi, di, t);
   }
 };
 
 }  // namespace
 
 // Returns y (b, L, d), the last state (b, d, n) and the state entering every block (b, d, nblocks, n).
-std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor delta, torch::Tensor A, torch::Tensor Bt,
-                                        torch::Tensor Ct, torch::Tensor h0, torch::Tensor keep, torch::Tensor bias,
-                                        torch::Tensor D, torch::Tensor z, bool use_softplus, int64_t block,
-                                        int64_t threads) {
+std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor dt, torch::Tensor A, torch::Tensor Bt,
+                                        torch::Tensor Ct, torch::Tensor h0, torch::Tensor keep, torch::Tensor D,
+                                        torch::Tensor z, int64_t block, int64_t threads) {
   const Dims s = dims_of(u, A, block);
-  const Inputs in(u, delta, A, Bt, Ct, h0, keep, bias, D, z, use_softplus);
+  const Inputs in(u, dt, A, Bt, Ct, h0, keep, D, z);
   auto y = torch::empty({s.b, s.L, s.d}, u.options());
   auto last = torch::empty({s.b, s.d, s.n}, u.options());
   auto starts = torch::empty({s.b, s.d, s.nblocks, s.n}, u.options());
@@ -127,7 +116,7 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor delta, to
       const int64_t bi = ch / s.d, di = ch % s.d;
       const float* Ad = in.A + di * s.n;
       const float Dd = in.D ? in.D[di] : 0.0f;
-      in.dt_row(s, bi, di, dtr.data(), nullptr);
+      in.dt_row(s, bi, di, dtr.data());
       if (in.h0) std::copy(in.h0 + ch * s.n, in.h0 + (ch + 1) * s.n, h.begin());
       else std::fill(h.begin(), h.end(), 0.0f);
       for (int64_t t = 0; t < s.L; ++t) {
@@ -159,41 +148,41 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor delta, to
   return {y, last, starts};
 }
 
-// Gradients (gu, gdelta (b, d, L), gA, gB, gC (b, L, n), gh0, gbias, gD, gz (b, L, d)) from gy (b, d, L, any
-// strides) and glast (b, d, n). Absent inputs get empty gradients.
-std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, torch::Tensor u, torch::Tensor delta,
+// Gradients (gu, gdt (b, d, L), gA, gB, gC (b, L, n), gh0, gD, gz (b, L, d)) from gy (b, d, L, any strides)
+// and glast (b, d, n). Absent inputs get empty gradients.
+std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, torch::Tensor u, torch::Tensor dt,
                                          torch::Tensor A, torch::Tensor Bt, torch::Tensor Ct, torch::Tensor keep,
-                                         torch::Tensor bias, torch::Tensor D, torch::Tensor z, bool use_softplus,
-                                         torch::Tensor starts, int64_t block, int64_t threads) {
+                                         torch::Tensor D, torch::Tensor z, torch::Tensor starts, int64_t block,
+                                         int64_t threads) {
   const Dims s = dims_of(u, A, block);
-  const Inputs in(u, delta, A, Bt, Ct, torch::empty({0}, u.options()), keep, bias, D, z, use_softplus);
+  const Inputs in(u, dt, A, Bt, Ct, torch::empty({0}, u.options()), keep, D, z);
   const View gyv_(gy);
   threads = std::max<int64_t>(1, std::min<int64_t>(threads, s.b * s.d));
   auto opts = u.options();
-  auto gu = torch::empty({s.b, s.d, s.L}, opts), gdelta = torch::empty({s.b, s.d, s.L}, opts);
+  auto gu = torch::empty({s.b, s.d, s.L}, opts), gdt = torch::empty({s.b, s.d, s.L}, opts);
   auto gh0 = torch::empty({s.b, s.d, s.n}, opts);
   auto gz = z.numel() ? torch::empty({s.b, s.L, s.d}, opts) : torch::empty({0}, opts);
   // per-thread partial sums of the gradients that reduce over channels or batch, summed at the end
   auto gA_part = torch::zeros({threads, s.d, s.n}, opts);
-  auto gvec_part = torch::zeros({threads, 2, s.d}, opts);  // gbias, gD
+  auto gD_part = torch::zeros({threads, s.d}, opts);
   auto gB_part = torch::zeros({threads, s.b, s.L, s.n}, opts);
   auto gC_part = torch::zeros({threads, s.b, s.L, s.n}, opts);
   const float *pgl = glast.data_ptr<float>(), *pst = starts.data_ptr<float>();
-  float *pgu = gu.data_ptr<float>(), *pgd = gdelta.data_ptr<float>(), *pgh0 = gh0.data_ptr<float>();
+  float *pgu = gu.data_ptr<float>(), *pgd = gdt.data_ptr<float>(), *pgh0 = gh0.data_ptr<float>();
   float* pgz = gz.numel() ? gz.data_ptr<float>() : nullptr;
-  float *pgA = gA_part.data_ptr<float>(), *pgv = gvec_part.data_ptr<float>();
+  float *pgA = gA_part.data_ptr<float>(), *pgDp = gD_part.data_ptr<float>();
   float *pgB = gB_part.data_ptr<float>(), *pgC = gC_part.data_ptr<float>();
   parallel_channels(s.b * s.d, static_cast<int>(threads), [&](int th, int64_t begin, int64_t end) {
-    std::vector<float> hs((s.block + 1) * s.n), as(s.block * s.n), G(s.n), dtr(s.L), dsp(s.L);
+    std::vector<float> hs((s.block + 1) * s.n), as(s.block * s.n), G(s.n), dtr(s.L);
     std::vector<float> pre(s.block), gyrow(s.block);  // per block: the pre-gate output, dLoss/d(pre)
-    float *gAt = pgA + th * s.d * s.n, *gbias = pgv + th * 2 * s.d, *gD = gbias + s.d;
+    float *gAt = pgA + th * s.d * s.n, *gD = pgDp + th * s.d;
     float *gBt = pgB + th * s.b * s.L * s.n, *gCt = pgC + th * s.b * s.L * s.n;
     for (int64_t ch = begin; ch < end; ++ch) {
       const int64_t bi = ch / s.d, di = ch % s.d;
       const float* Ad = in.A + di * s.n;
       const float Dd = in.D ? in.D[di] : 0.0f;
       float* gAd = gAt + di * s.n;
-      in.dt_row(s, bi, di, dtr.data(), dsp.data());
+      in.dt_row(s, bi, di, dtr.data());
       std::copy(pgl + ch * s.n, pgl + (ch + 1) * s.n, G.begin());
       for (int64_t blk = s.nblocks - 1; blk >= 0; --blk) {
         const int64_t t0 = blk * s.block, t1 = std::min(s.L, t0 + s.block);
@@ -252,16 +241,13 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, 
           }
           const int64_t at = ch * s.L + t;
           pgu[at] = gx * dtv + gyv * Dd;
-          const float gdelta_t = (gx * uv + gdt_a) * dsp[t];
-          pgd[at] = gdelta_t;
-          gbias[di] += gdelta_t;
+          pgd[at] = gx * uv + gdt_a;
         }
       }
       std::copy(G.begin(), G.end(), pgh0 + ch * s.n);
     }
   });
-  auto gvec = gvec_part.sum(0);
-  return {gu, gdelta, gA_part.sum(0), gB_part.sum(0), gC_part.sum(0), gh0, gvec[0].clone(), gvec[1].clone(), gz};
+  return {gu, gdt, gA_part.sum(0), gB_part.sum(0), gC_part.sum(0), gh0, gD_part.sum(0), gz};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
