@@ -6,6 +6,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # Without an NVIDIA GPU, pin the CPU torch build; with one, keep whatever CUDA torch pip picks / you installed.
 CONSTRAINTS := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "-c constraints-cpu.txt")
+# --no-compile: pip byte-compiles every installed .py file (torch alone has thousands), which is over half of a
+# fresh install's time; Python compiles only the modules actually imported, on first import, instead.
+PIP_FLAGS ?= --no-compile
 # Two install stamps: the package alone (all `make demo` needs) and the package with the test extras
 # (pytest, transformers, lm-eval, deepspeed, ...: about 2 GB more), so the demo does not pay for the tests.
 CORE_STAMP := $(VENV)/.installed-core
@@ -18,12 +21,12 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(CORE_STAMP): pyproject.toml constraints-cpu.txt | $(PY)
-	$(PY) -m pip install -q $(CONSTRAINTS) -e .
+	$(PY) -m pip install -q $(PIP_FLAGS) $(CONSTRAINTS) -e .
 	@touch $(CORE_STAMP)
 
 # The test install contains the core one, so it refreshes both stamps.
 $(TEST_STAMP): pyproject.toml constraints-cpu.txt | $(PY)
-	$(PY) -m pip install -q $(CONSTRAINTS) -e ".[test]"
+	$(PY) -m pip install -q $(PIP_FLAGS) $(CONSTRAINTS) -e ".[test]"
 	@touch $(TEST_STAMP) $(CORE_STAMP)
 
 install: $(CORE_STAMP)
