@@ -115,7 +115,7 @@ def _bwd(gy: Tensor, glast: Tensor, u: Tensor, dt: Tensor, A: Tensor, Bt: Tensor
 @_bwd.register_fake
 def _(gy, glast, u, dt, A, Bt, Ct, keep, D, z, starts, block):
     b, d, L = u.shape
-    return (u.new_empty(b, d, L), u.new_empty(b, d, L), torch.empty_like(A), torch.empty_like(Bt),
+    return (u.new_empty(b, d, L), u.new_empty(b, L, d), torch.empty_like(A), torch.empty_like(Bt),
             torch.empty_like(Ct), u.new_empty(b, d, A.shape[1]), u.new_empty(d),
             u.new_empty(b, L, d) if z.numel() else u.new_empty(0))
 
@@ -132,7 +132,7 @@ def _backward(ctx, gy, glast, _gstarts):
     gy = gy.transpose(1, 2) if gy is not None else u.new_zeros(b, d, L)   # y is (b, L, d): read as (b, d, L)
     glast = glast.contiguous() if glast is not None else u.new_zeros(b, d, A.shape[1])
     gu, gdt, gA, gB, gC, gh0, gD, gz = _bwd(gy, glast, u, dt, A, Bt, Ct, keep, D, z, starts, ctx.block)
-    return (gu, gdt, gA, gB, gC, gh0 if ctx.has_h0 else None, None, gD if D.numel() else None,
+    return (gu, gdt.transpose(1, 2), gA, gB, gC, gh0 if ctx.has_h0 else None, None, gD if D.numel() else None,
             gz.transpose(1, 2) if z.numel() else None, None)
 
 

@@ -148,8 +148,10 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor dt, torch
   return {y, last, starts};
 }
 
-// Gradients (gu, gdt (b, d, L), gA, gB, gC (b, L, n), gh0, gD, gz (b, L, d)) from gy (b, d, L, any strides)
-// and glast (b, d, n). Absent inputs get empty gradients.
+// Gradients (gu (b, d, L), gdt (b, L, d), gA, gB, gC (b, L, n), gh0, gD, gz (b, L, d)) from gy (b, d, L, any
+// strides) and glast (b, d, n). Absent inputs get empty gradients. gdt is written (b, L, d) because the Mamba
+// layer's dt is a transposed view of dt_proj's (b, L, d) output: torch's softplus backward and dt_proj's
+// backward then read it in that layout, with no strided pass or copy.
 std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, torch::Tensor u, torch::Tensor dt,
                                          torch::Tensor A, torch::Tensor Bt, torch::Tensor Ct, torch::Tensor keep,
                                          torch::Tensor D, torch::Tensor z, torch::Tensor starts, int64_t block,
@@ -159,7 +161,7 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, 
   const View gyv_(gy);
   threads = std::max<int64_t>(1, std::min<int64_t>(threads, s.b * s.d));
   auto opts = u.options();
-  auto gu = torch::empty({s.b, s.d, s.L}, opts), gdt = torch::empty({s.b, s.d, s.L}, opts);
+  auto gu = torch::empty({s.b, s.d, s.L}, opts), gdt = torch::empty({s.b, s.L, s.d}, opts);
   auto gh0 = torch::empty({s.b, s.d, s.n}, opts);
   auto gz = z.numel() ? torch::empty({s.b, s.L, s.d}, opts) : torch::empty({0}, opts);
   // per-thread partial sums of the gradients that reduce over channels or batch, summed at the end
@@ -239,9 +241,8 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, 
             gAd[j] += glog * dtv;
             Gp[j] = g * ap[j];
           }
-          const int64_t at = ch * s.L + t;
-          pgu[at] = gx * dtv + gyv * Dd;
-          pgd[at] = gx * uv + gdt_a;
+          pgu[ch * s.L + t] = gx * dtv + gyv * Dd;
+          pgd[(bi * s.L + t) * s.d + di] = gx * uv + gdt_a;
         }
       }
       std::copy(G.begin(), G.end(), pgh0 + ch * s.n);
