@@ -243,3 +243,13 @@ def test_chunked_with_resets_equals_reference(L, impl):
     if s > 0:
         plain = ss.selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=bias, impl="ref")
         assert (plain[1:, :, s:] - tail).abs().max() > 1e-4
+
+
+@pytest.mark.skipif(not scan_cpu.available(), reason="the CPU kernel did not build")
+def test_cpu_kernel_d_state_bound():
+    """Above the kernel's d_state bound (its stack buffers), auto runs the chunked path, and an explicit
+    impl='cpu' is refused in one line rather than overrunning a buffer."""
+    inputs = make_inputs(1, 2, scan_cpu.MAX_STATE + 1, 3, seed=5)
+    assert_close(run("auto", inputs, ()), run("ref", inputs, ()), rtol=2e-5, atol_scale=1e-6)
+    with pytest.raises(ValueError, match="d_state up to"):
+        run("cpu", inputs, (), grads=False)

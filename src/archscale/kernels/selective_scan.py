@@ -77,7 +77,8 @@ def cuda_scan_available() -> bool:
     return torch.cuda.is_available() and _mamba_ssm("selective_scan_fn") is not None
 
 
-def _resolve_impl(impl: str, u: Tensor, initial_state: Tensor | None, reset: Tensor | None = None) -> str:
+def _resolve_impl(impl: str, u: Tensor, initial_state: Tensor | None, reset: Tensor | None = None,
+                  d_state: int = 0) -> str:
     if impl not in SCAN_IMPLS:
         raise ValueError(f"selective_scan: unknown impl {impl!r}; choose one of {', '.join(SCAN_IMPLS)}")
     if impl == "auto":
@@ -91,7 +92,9 @@ def _resolve_impl(impl: str, u: Tensor, initial_state: Tensor | None, reset: Ten
         if u.is_cuda:
             impl = "cuda" if cuda_scan_available() else "chunked"
         else:
-            impl = "cpu" if cpu_kernel.available() else "chunked"
+            impl = "cpu" if d_state <= cpu_kernel.MAX_STATE and cpu_kernel.available() else "chunked"
+    if impl == "cpu" and d_state > cpu_kernel.MAX_STATE:
+        raise ValueError(f"selective_scan: impl='cpu' takes d_state up to {cpu_kernel.MAX_STATE} (got {d_state})")
     if impl == "cpu" and (u.is_cuda or not cpu_kernel.available()):
         raise ValueError(f"selective_scan: impl='cpu' needs CPU tensors and the compiled CPU kernel "
                          f"({cpu_kernel.unavailable_reason() or 'tensors are on CUDA'})")
@@ -114,7 +117,7 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
     training): the state is zeroed before that token, so nothing flows across documents. Exact in every path
     (the decays into a reset step are set to 0, not approximated); mamba-ssm's kernel has no such input, so a
     call with `reset` runs the chunked path, on CUDA too."""
-    impl = _resolve_impl(impl, u, initial_state, reset)
+    impl = _resolve_impl(impl, u, initial_state, reset, A.shape[-1])
     if impl == "cuda":
         fn = _mamba_ssm("selective_scan_fn")
         out = fn(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
