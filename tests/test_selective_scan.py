@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import archscale.kernels.scan_cpu as scan_cpu
 import archscale.kernels.selective_scan as ss
@@ -253,3 +254,33 @@ def test_cpu_kernel_d_state_bound():
     assert_close(run("auto", inputs, ()), run("ref", inputs, ()), rtol=2e-5, atol_scale=1e-6)
     with pytest.raises(ValueError, match="d_state up to"):
         run("cpu", inputs, (), grads=False)
+
+
+@pytest.mark.skipif(not scan_cpu.available(), reason="the CPU kernel did not build")
+@pytest.mark.parametrize("b,L,d,K,bias", [(2, 7, 5, 4, True), (1, 2, 3, 4, False), (3, 33, 16, 3, True),
+                                          (2, 1, 8, 2, True), (1, 70, 40, 4, True)])
+def test_conv_silu_matches_torch(b, L, d, K, bias):
+    """The kernel's fused causal depthwise conv + silu (what the Mamba layer runs with the CPU scan) equals
+    silu(nn.Conv1d(..., padding=K-1)(x)[..., :L]) computed in fp64, values and gradients of x, weight and bias;
+    x is a transposed view of a wider (b, L, 2d) tensor, as in_proj's output is. L < K covers the zero padding."""
+    g = torch.Generator().manual_seed(b * 100 + L)
+    base = torch.randn(b, L, 2 * d, generator=g, dtype=torch.float64)
+    w = torch.randn(d, 1, K, generator=g, dtype=torch.float64)
+    bb = torch.randn(d, generator=g, dtype=torch.float64) if bias else None
+
+    def reference(base, w, bb):
+        return F.silu(F.conv1d(base[..., :d].transpose(1, 2), w, bb, padding=K - 1, groups=d)[..., :L])
+
+    def kernel(base, w, bb):
+        return scan_cpu.conv_silu(base[..., :d].transpose(1, 2), w, bb)
+
+    results = []
+    for fn, dtype in ((reference, torch.float64), (kernel, torch.float32)):
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (base, w) + ((bb,) if bias else ())]
+        y = fn(*leaves, *(() if bias else (None,)))
+        (y * torch.linspace(-1, 1, y.numel(), dtype=dtype).view_as(y)).sum().backward()
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for name, got, want in zip(("y", "x", "weight", "bias"), results[1], results[0]):
+        assert got.dtype == torch.float32, name
+        err = (got.double() - want).abs().max().item()
+        assert err <= 1e-5 * want.abs().max().item() + 1e-6, f"{name}: max err {err:.3g}"

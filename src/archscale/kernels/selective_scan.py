@@ -107,6 +107,12 @@ def _resolve_impl(impl: str, u: Tensor, initial_state: Tensor | None, reset: Ten
     return impl
 
 
+def runs_cpu_kernel(impl: str, u: Tensor, d_state: int) -> bool:
+    """Whether a scan of `u` with this `impl` (after the environment override) runs the C++ CPU kernel, with no
+    initial state or resets: where the Mamba layer also takes the kernel's fused conv + silu."""
+    return _resolve_impl(impl, u, None, None, d_state) == "cpu"
+
+
 def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
                    z: Tensor | None = None, delta_bias: Tensor | None = None, delta_softplus: bool = True,
                    initial_state: Tensor | None = None, return_last_state: bool = False, impl: str = "auto",

@@ -1,4 +1,5 @@
-// Mamba-1 selective scan on CPU: one fused pass per channel, forward and backward.
+// Mamba-1 selective scan on CPU: one fused pass per channel, forward and backward (and, at the end of this
+// file, the layer's causal depthwise conv + silu that produce the scan's input).
 //
 // The pure-PyTorch chunked scan (selective_scan.py) materialises (steps, batch, d_inner, d_state) tensors and
 // makes ~30 passes over them per layer and step: on CPU it is memory-bound. Here each (batch, channel) pair runs
@@ -13,7 +14,8 @@
 // `selective_scan(..., impl="ref")` (the test oracle):
 //     a_t = exp(dt_t * A) * keep_t;  h_t = a_t h_{t-1} + dt_t u_t B_t
 //     y_t = (C_t . h_t + D u_t) * silu(z_t)
-// Layouts, fp32: u, dt, z, gy: (b, d, L) with any strides (the Mamba layer passes transposed views);
+// Layouts, fp32: u, dt, z, gy: (b, d, L) with any strides (the Mamba layer passes transposed views of
+// (b, L, d) storage; each channel's u and dt are gathered into a contiguous row first);
 // A (d, n); Bt, Ct (b, L, n) contiguous; h0 (b, d, n); keep (b, L) or empty; D (d) or empty; z may be
 // empty. y is written (b, L, d)-contiguous: what out_proj reads.
 
@@ -98,30 +100,32 @@ struct Inputs {
       : u(u_), dt(dt_), z(z_), A(A_.data_ptr<float>()), Bt(Bt_.data_ptr<float>()), Ct(Ct_.data_ptr<float>()),
         h0(h0_.numel() ? h0_.data_ptr<float>() : nullptr), keep(keep_.numel() ? keep_.data_ptr<float>() : nullptr),
         D(D_.numel() ? D_.data_ptr<float>() : nullptr) {}
-  // dt of channel (bi, di) for every step, contiguous
-  void dt_row(const Dims& s, int64_t bi, int64_t di, float* row) const {
-    for (int64_t t = 0; t < s.L; ++t) row[t] = dt.at(bi, di, t);
+  // dt and u of channel (bi, di) for every step, gathered contiguous (the Mamba layer's are (b, L, d) storage)
+  void rows(const Dims& s, int64_t bi, int64_t di, float* dt_row, float* u_row) const {
+    for (int64_t t = 0; t < s.L; ++t) dt_row[t] = dt.at(bi, di, t);
+    for (int64_t t = 0; t < s.L; ++t) u_row[t] = u.at(bi, di, t);
   }
 };
 
 // One (batch, channel) recurrence of the forward. N > 0: d_state known at compile time; N == 0: runtime d_state.
 
 template <int64_t N>
-void forward_channel(const Inputs& in, const Dims& s, int64_t ch, float* __restrict__ dtr, float* __restrict__ yrow,
-                     float* __restrict__ py, float* __restrict__ plast, float* __restrict__ pst) {
+void forward_channel(const Inputs& in, const Dims& s, int64_t ch, float* __restrict__ dtr, float* __restrict__ ur,
+                     float* __restrict__ yrow, float* __restrict__ py, float* __restrict__ plast,
+                     float* __restrict__ pst) {
   const int64_t n = N ? N : s.n;
   const int64_t bi = ch / s.d, di = ch % s.d;
   alignas(64) float h[N ? N : MAX_STATE];
   alignas(64) float Ad[N ? N : MAX_STATE];
   for (int64_t j = 0; j < n; ++j) Ad[j] = in.A[di * n + j];
   const float Dd = in.D ? in.D[di] : 0.0f;
-  in.dt_row(s, bi, di, dtr);
+  in.rows(s, bi, di, dtr, ur);
   for (int64_t j = 0; j < n; ++j) h[j] = in.h0 ? in.h0[ch * n + j] : 0.0f;
   for (int64_t t0 = 0; t0 < s.L; t0 += s.block) {
     std::copy(h, h + n, pst + (ch * s.nblocks + t0 / s.block) * n);
     const int64_t t1 = std::min(s.L, t0 + s.block);
     for (int64_t t = t0; t < t1; ++t) {
-      const float dtv = dtr[t], uv = in.u.at(bi, di, t), x = dtv * uv;
+      const float dtv = dtr[t], uv = ur[t], x = dtv * uv;
       const float kv = in.keep ? in.keep[bi * s.L + t] : 1.0f;
       const float* __restrict__ Bl = in.Bt + (bi * s.L + t) * n;
       const float* __restrict__ Cl = in.Ct + (bi * s.L + t) * n;
@@ -155,7 +159,7 @@ struct Grads {
 // One thread's scratch: recomputed states and decays of a block, dt of the channel, the block's pre-gate output
 // and dLoss/d(pre).
 struct Workspace {
-  std::vector<float> hs, as, dtr, pre, gyrow;
+  std::vector<float> hs, as, dtr, ur, pre, gyrow;
 };
 
 // One (batch, channel) of the backward: per block from the last, recompute its states from the saved start,
@@ -174,7 +178,8 @@ void backward_channel(const Inputs& in, const View& gyv, const Dims& s, int64_t 
   const float Dd = in.D ? in.D[di] : 0.0f;
   float gDd = 0.0f;
   float* __restrict__ dtr = w.dtr.data();
-  in.dt_row(s, bi, di, dtr);
+  float* __restrict__ ur = w.ur.data();
+  in.rows(s, bi, di, dtr, ur);
   float *gBt = o.gB + th * s.b * s.L * n, *gCt = o.gC + th * s.b * s.L * n;
   for (int64_t blk = s.nblocks - 1; blk >= 0; --blk) {
     const int64_t t0 = blk * s.block, t1 = std::min(s.L, t0 + s.block);
@@ -185,7 +190,7 @@ void backward_channel(const Inputs& in, const View& gyv, const Dims& s, int64_t 
     std::copy(o.starts + (ch * s.nblocks + blk) * n, o.starts + (ch * s.nblocks + blk + 1) * n, hs);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t i = t - t0;
-      const float dtv = dtr[t], x = dtv * in.u.at(bi, di, t);
+      const float dtv = dtr[t], x = dtv * ur[t];
       const float kv = in.keep ? in.keep[bi * s.L + t] : 1.0f;
       const float* __restrict__ Bl = in.Bt + (bi * s.L + t) * n;
       const float* __restrict__ Cl = in.Ct + (bi * s.L + t) * n;
@@ -199,7 +204,7 @@ void backward_channel(const Inputs& in, const View& gyv, const Dims& s, int64_t 
         hn[j] = ap[j] * hp[j] + x * Bl[j];
         acc += hn[j] * Cl[j];
       }
-      pre[i] = acc + Dd * in.u.at(bi, di, t);
+      pre[i] = acc + Dd * ur[t];
     }
     if (in.z.p) {  // through the gate y = pre * silu(z), vectorised over the block's steps
       float* gzc = o.gz + bi * s.L * s.d + di;
@@ -215,7 +220,7 @@ void backward_channel(const Inputs& in, const View& gyv, const Dims& s, int64_t 
     // adjoint: G = dLoss/dh_t, carried backwards through a_t
     for (int64_t t = t1 - 1; t >= t0; --t) {
       const int64_t i = t - t0;
-      const float dtv = dtr[t], uv = in.u.at(bi, di, t), x = dtv * uv;
+      const float dtv = dtr[t], uv = ur[t], x = dtv * uv;
       const int64_t row = (bi * s.L + t) * n;
       const float* __restrict__ Bl = in.Bt + row;
       const float* __restrict__ Cl = in.Ct + row;
@@ -238,7 +243,7 @@ void backward_channel(const Inputs& in, const View& gyv, const Dims& s, int64_t 
         gAd[j] += glog * dtv;
         G[j] = g * ap[j];
       }
-      o.gu[ch * s.L + t] = gx * dtv + gyv_t * Dd;
+      o.gu[(bi * s.L + t) * s.d + di] = gx * dtv + gyv_t * Dd;
       o.gdt[(bi * s.L + t) * s.d + di] = gx * uv + gdt_a;
     }
   }
@@ -261,19 +266,19 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor dt, torch
   auto starts = torch::empty({s.b, s.d, s.nblocks, s.n}, u.options());
   float *py = y.data_ptr<float>(), *plast = last.data_ptr<float>(), *pst = starts.data_ptr<float>();
   parallel_channels(s.b * s.d, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
-    std::vector<float> dtr(s.L), yrow(s.L);
+    std::vector<float> dtr(s.L), ur(s.L), yrow(s.L);
     for (int64_t ch = begin; ch < end; ++ch) {
-      if (s.n == 16) forward_channel<16>(in, s, ch, dtr.data(), yrow.data(), py, plast, pst);
-      else forward_channel<0>(in, s, ch, dtr.data(), yrow.data(), py, plast, pst);
+      if (s.n == 16) forward_channel<16>(in, s, ch, dtr.data(), ur.data(), yrow.data(), py, plast, pst);
+      else forward_channel<0>(in, s, ch, dtr.data(), ur.data(), yrow.data(), py, plast, pst);
     }
   });
   return {y, last, starts};
 }
 
-// Gradients (gu (b, d, L), gdt (b, L, d), gA, gB, gC (b, L, n), gh0, gD, gz (b, L, d)) from gy (b, d, L, any
-// strides) and glast (b, d, n). Absent inputs get empty gradients. gdt is written (b, L, d) because the Mamba
-// layer's dt is a transposed view of dt_proj's (b, L, d) output: torch's softplus backward and dt_proj's
-// backward then read it in that layout, with no strided pass or copy.
+// Gradients (gu, gdt (b, L, d), gA, gB, gC (b, L, n), gh0, gD, gz (b, L, d)) from gy (b, d, L, any strides)
+// and glast (b, d, n). Absent inputs get empty gradients. gu and gdt are written (b, L, d) because in the Mamba
+// layer u (the conv's output) and dt (dt_proj's) are (b, L, d) storage: the backward passes before them (the
+// conv's, softplus's, dt_proj's) then read them in that layout, with no strided pass or copy.
 std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, torch::Tensor u, torch::Tensor dt,
                                          torch::Tensor A, torch::Tensor Bt, torch::Tensor Ct, torch::Tensor keep,
                                          torch::Tensor D, torch::Tensor z, torch::Tensor starts, int64_t block,
@@ -283,7 +288,7 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, 
   const View gyv_(gy);
   threads = std::max<int64_t>(1, std::min<int64_t>(threads, s.b * s.d));
   auto opts = u.options();
-  auto gu = torch::empty({s.b, s.d, s.L}, opts), gdt = torch::empty({s.b, s.L, s.d}, opts);
+  auto gu = torch::empty({s.b, s.L, s.d}, opts), gdt = torch::empty({s.b, s.L, s.d}, opts);
   auto gh0 = torch::empty({s.b, s.d, s.n}, opts);
   auto gz = z.numel() ? torch::empty({s.b, s.L, s.d}, opts) : torch::empty({0}, opts);
   // per-thread partial sums of the gradients that reduce over channels or batch, summed at the end
@@ -299,7 +304,7 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, 
   const Grads out{pgu, pgd, pgh0, pgz, pgA, pgDp, pgB, pgC, pgl, pst};
   parallel_channels(s.b * s.d, static_cast<int>(threads), [&](int th, int64_t begin, int64_t end) {
     Workspace w{std::vector<float>((s.block + 1) * s.n), std::vector<float>(s.block * s.n), std::vector<float>(s.L),
-                std::vector<float>(s.block), std::vector<float>(s.block)};
+                std::vector<float>(s.L), std::vector<float>(s.block), std::vector<float>(s.block)};
     for (int64_t ch = begin; ch < end; ++ch) {
       if (s.n == 16) backward_channel<16>(in, gyv_, s, ch, th, out, w);
       else backward_channel<0>(in, gyv_, s, ch, th, out, w);
@@ -308,7 +313,113 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, 
   return {gu, gdt, gA_part.sum(0), gB_part.sum(0), gC_part.sum(0), gh0, gD_part.sum(0), gz};
 }
 
+// ------------------------------------------------------------------------------------------------------------
+// Mamba's causal depthwise conv and the silu after it, fused, over (b, L, d) rows:
+//     out[b, t, c] = silu(bias[c] + sum_k w[k, c] x[b, t - K + 1 + k, c])     (x = 0 before t = 0)
+// x: (b, L, d) with unit channel stride and any batch / time strides (the Mamba layer's is a view into
+// in_proj's output); wT (K, d) contiguous; bias (d) or empty. out is (b, L, d) contiguous, what the scan reads.
+// torch's depthwise conv wants (b, d, L) contiguous input, and its weight backward ran single-threaded here.
+
+namespace {
+
+struct ConvDims {
+  int64_t b, L, d, K, sb, st;
+  ConvDims(const torch::Tensor& x, const torch::Tensor& wT)
+      : b(x.size(0)), L(x.size(1)), d(x.size(2)), K(wT.size(0)), sb(x.stride(0)), st(x.stride(1)) {
+    TORCH_CHECK(x.stride(2) == 1, "conv_silu: x needs unit channel stride");
+  }
+};
+
+// pre-activation of row (bi, t) into pre[0..d)
+inline void conv_row(const ConvDims& s, const float* x, const float* w, const float* bias, int64_t bi, int64_t t,
+                     float* __restrict__ pre) {
+  for (int64_t c = 0; c < s.d; ++c) pre[c] = bias ? bias[c] : 0.0f;
+  for (int64_t k = std::max<int64_t>(0, s.K - 1 - t); k < s.K; ++k) {
+    const float* __restrict__ xr = x + bi * s.sb + (t - s.K + 1 + k) * s.st;
+    const float* __restrict__ wk = w + k * s.d;
+#pragma omp simd
+    for (int64_t c = 0; c < s.d; ++c) pre[c] += wk[c] * xr[c];
+  }
+}
+
+}  // namespace
+
+torch::Tensor conv_silu_forward(torch::Tensor x, torch::Tensor wT, torch::Tensor bias, int64_t threads) {
+  const ConvDims s(x, wT);
+  auto out = torch::empty({s.b, s.L, s.d}, x.options());
+  const float *px = x.data_ptr<float>(), *pw = wT.data_ptr<float>();
+  const float* pb = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  parallel_channels(s.b * s.L, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* __restrict__ o = po + r * s.d;
+      conv_row(s, px, pw, pb, r / s.L, r % s.L, o);
+#pragma omp simd
+      for (int64_t c = 0; c < s.d; ++c) o[c] *= sigmoid(o[c]);
+    }
+  });
+  return out;
+}
+
+// (gx (b, L, d) contiguous, gwT (K, d), gbias (d) or empty) from gout (b, L, d) with unit channel stride.
+std::vector<torch::Tensor> conv_silu_backward(torch::Tensor gout, torch::Tensor x, torch::Tensor wT,
+                                              torch::Tensor bias, int64_t threads) {
+  const ConvDims s(x, wT);
+  TORCH_CHECK(gout.stride(2) == 1, "conv_silu: gout needs unit channel stride");
+  threads = std::max<int64_t>(1, std::min<int64_t>(threads, s.b * s.L));
+  auto gpre = torch::empty({s.b, s.L, s.d}, x.options());  // dLoss/d(pre-activation)
+  auto gx = torch::empty({s.b, s.L, s.d}, x.options());
+  auto gw_part = torch::zeros({threads, s.K + 1, s.d}, x.options());  // per thread: K taps, then the bias
+  const float *px = x.data_ptr<float>(), *pw = wT.data_ptr<float>(), *pg = gout.data_ptr<float>();
+  const float* pb = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float *pgp = gpre.data_ptr<float>(), *pgx = gx.data_ptr<float>(), *pgw = gw_part.data_ptr<float>();
+  const int64_t gsb = gout.stride(0), gst = gout.stride(1);
+  parallel_channels(s.b * s.L, static_cast<int>(threads), [&](int th, int64_t begin, int64_t end) {
+    float* gwt = pgw + th * (s.K + 1) * s.d;
+    for (int64_t r = begin; r < end; ++r) {  // gpre, and the weight / bias gradients of these rows
+      const int64_t bi = r / s.L, t = r % s.L;
+      float* __restrict__ gp = pgp + r * s.d;
+      const float* __restrict__ g = pg + bi * gsb + t * gst;
+      conv_row(s, px, pw, pb, bi, t, gp);
+#pragma omp simd
+      for (int64_t c = 0; c < s.d; ++c) {
+        const float sg = sigmoid(gp[c]);
+        gp[c] = g[c] * sg * (1.0f + gp[c] * (1.0f - sg));
+      }
+      for (int64_t k = std::max<int64_t>(0, s.K - 1 - t); k < s.K; ++k) {
+        const float* __restrict__ xr = px + bi * s.sb + (t - s.K + 1 + k) * s.st;
+        float* __restrict__ gwk = gwt + k * s.d;
+#pragma omp simd
+        for (int64_t c = 0; c < s.d; ++c) gwk[c] += gp[c] * xr[c];
+      }
+      float* __restrict__ gbt = gwt + s.K * s.d;
+#pragma omp simd
+      for (int64_t c = 0; c < s.d; ++c) gbt[c] += gp[c];
+    }
+  });
+  parallel_channels(s.b * s.L, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {  // gx[t] = sum_k w[k] gpre[t + K - 1 - k], within the row's batch
+      const int64_t t = r % s.L;
+      float* __restrict__ o = pgx + r * s.d;
+      std::fill(o, o + s.d, 0.0f);
+      for (int64_t k = 0; k < s.K; ++k) {
+        const int64_t tt = t + s.K - 1 - k;
+        if (tt >= s.L) continue;
+        const float* __restrict__ gp = pgp + (r + s.K - 1 - k) * s.d;
+        const float* __restrict__ wk = pw + k * s.d;
+#pragma omp simd
+        for (int64_t c = 0; c < s.d; ++c) o[c] += wk[c] * gp[c];
+      }
+    }
+  });
+  auto gw = gw_part.sum(0);
+  // copies, not views of gw: a custom op's outputs may not alias one another
+  return {gx, gw.narrow(0, 0, s.K).clone(), pb ? gw[s.K].clone() : torch::empty({0}, x.options())};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &scan_forward, "selective scan forward (CPU, fp32)");
   m.def("backward", &scan_backward, "selective scan backward (CPU, fp32)");
+  m.def("conv_silu_forward", &conv_silu_forward, "causal depthwise conv + silu forward (CPU, fp32)");
+  m.def("conv_silu_backward", &conv_silu_backward, "causal depthwise conv + silu backward (CPU, fp32)");
 }

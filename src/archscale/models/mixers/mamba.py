@@ -1,7 +1,7 @@
 """Mamba-1 token mixer (Gu & Dao 2023), parameter names as mamba-ssm's `Mamba` (and HF's `MambaMixer`).
 
     xz = in_proj(x);  x, z = split(xz)                        (B, T, d_inner) each
-    x  = silu(causal depthwise conv1d(x))
+    x  = silu(causal depthwise conv1d(x))                      (one fused C++ pass with the CPU scan kernel)
     dt, B, C = split(x_proj(x));  dt = dt_proj.weight @ dt   (dt_proj.bias is the scan's delta_bias)
     y  = selective_scan(x, dt, A=-exp(A_log), B, C, D)       (the SSM output, including the D*x skip)
     out = out_proj(y * silu(z))
@@ -24,7 +24,8 @@ from torch import Tensor, nn
 
 from archscale.config import ModelConfig
 from archscale.kernels import scan_cpu
-from archscale.kernels.selective_scan import cuda_scan_available, selective_scan, selective_state_update
+from archscale.kernels.selective_scan import (cuda_scan_available, runs_cpu_kernel, selective_scan,
+                                              selective_state_update)
 from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, options_of,
                                          register)
 
@@ -95,12 +96,13 @@ class Mamba(nn.Module):
         xs, z = (t.transpose(1, 2) for t in self.in_proj(x).chunk(2, dim=-1))
         reset = None
         if doc_ids is not None:
-            xs = self._doc_conv(xs, doc_ids)
+            xs = F.silu(self._doc_conv(xs, doc_ids))
             reset = torch.zeros_like(doc_ids, dtype=torch.bool)
             reset[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        elif state is None and runs_cpu_kernel(self.scan_impl, xs, self.d_state):
+            xs = scan_cpu.conv_silu(xs, self.conv1d.weight, self.conv1d.bias)  # fused, in (B, T, d_inner) rows
         else:
-            xs = self._conv(xs, state)
-        xs = F.silu(xs)                                                       # (B, d_inner, T)
+            xs = F.silu(self._conv(xs, state))                                # (B, d_inner, T)
         dt, Bm, Cm = torch.split(self.x_proj(xs.transpose(1, 2)), [self.dt_rank, self.d_state, self.d_state],
                                  dim=-1)
         dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)                # (B, d_inner, T); bias: in the scan
@@ -214,5 +216,8 @@ SPEC = register(MixerSpec(
                        "tests/test_mamba.py::test_cuda_kernel_module_matches_reference"),
              KernelRef("archscale.kernels.scan_cpu (C++, built on first use)", scan_cpu.available,
                        "archscale.kernels.selective_scan._scan_ref",
-                       "tests/test_selective_scan.py::test_chunked_matches_ref_fp32")),
+                       "tests/test_selective_scan.py::test_chunked_matches_ref_fp32"),
+             KernelRef("archscale.kernels.scan_cpu.conv_silu (C++, same module)", scan_cpu.available,
+                       "torch.nn.functional.conv1d + silu (Mamba._conv)",
+                       "tests/test_selective_scan.py::test_conv_silu_matches_torch")),
 ))
