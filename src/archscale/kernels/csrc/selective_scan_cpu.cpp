@@ -100,26 +100,38 @@ struct Inputs {
       : u(u_), dt(dt_), z(z_), A(A_.data_ptr<float>()), Bt(Bt_.data_ptr<float>()), Ct(Ct_.data_ptr<float>()),
         h0(h0_.numel() ? h0_.data_ptr<float>() : nullptr), keep(keep_.numel() ? keep_.data_ptr<float>() : nullptr),
         D(D_.numel() ? D_.data_ptr<float>() : nullptr) {}
-  // dt and u of channel (bi, di) for every step, gathered contiguous (the Mamba layer's are (b, L, d) storage)
-  void rows(const Dims& s, int64_t bi, int64_t di, float* dt_row, float* u_row) const {
-    for (int64_t t = 0; t < s.L; ++t) dt_row[t] = dt.at(bi, di, t);
-    for (int64_t t = 0; t < s.L; ++t) u_row[t] = u.at(bi, di, t);
-  }
 };
 
-// One (batch, channel) recurrence of the forward. N > 0: d_state known at compile time; N == 0: runtime d_state.
+// Channels are processed TILE at a time: their (b, d, L) inputs are gathered into contiguous rows and their
+// outputs scattered back, a time step at a time over the tile's channels. The Mamba layer's tensors are (b, L, d)
+// storage, where one channel's steps lie a row (d floats) apart: read per channel, every step is a new cache
+// line and often a new page; per tile, TILE neighbouring channels share each line.
+constexpr int64_t TILE = 16;
 
+// rows[c * L + t] = v(bi, c0 + c, t) for c < nc
+void gather(const View& v, int64_t bi, int64_t c0, int64_t nc, int64_t L, float* rows) {
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t c = 0; c < nc; ++c) rows[c * L + t] = v.at(bi, c0 + c, t);
+}
+
+// out[(bi * L + t) * d + c0 + c] = rows[c * L + t] for c < nc: out is (b, L, d) contiguous
+void scatter(const float* rows, int64_t bi, int64_t c0, int64_t nc, int64_t L, int64_t d, float* out) {
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t c = 0; c < nc; ++c) out[(bi * L + t) * d + c0 + c] = rows[c * L + t];
+}
+
+// One (batch, channel) recurrence of the forward, on gathered rows (zr null without the gate); writes yrow, the
+// last state and the block-start states. N > 0: d_state known at compile time; N == 0: runtime d_state.
 template <int64_t N>
-void forward_channel(const Inputs& in, const Dims& s, int64_t ch, float* __restrict__ dtr, float* __restrict__ ur,
-                     float* __restrict__ yrow, float* __restrict__ py, float* __restrict__ plast,
-                     float* __restrict__ pst) {
+void forward_channel(const Inputs& in, const Dims& s, int64_t bi, int64_t di, const float* __restrict__ dtr,
+                     const float* __restrict__ ur, const float* __restrict__ zr, float* __restrict__ yrow,
+                     float* __restrict__ plast, float* __restrict__ pst) {
   const int64_t n = N ? N : s.n;
-  const int64_t bi = ch / s.d, di = ch % s.d;
+  const int64_t ch = bi * s.d + di;
   alignas(64) float h[N ? N : MAX_STATE];
   alignas(64) float Ad[N ? N : MAX_STATE];
   for (int64_t j = 0; j < n; ++j) Ad[j] = in.A[di * n + j];
   const float Dd = in.D ? in.D[di] : 0.0f;
-  in.rows(s, bi, di, dtr, ur);
   for (int64_t j = 0; j < n; ++j) h[j] = in.h0 ? in.h0[ch * n + j] : 0.0f;
   for (int64_t t0 = 0; t0 < s.L; t0 += s.block) {
     std::copy(h, h + n, pst + (ch * s.nblocks + t0 / s.block) * n);
@@ -138,37 +150,38 @@ void forward_channel(const Inputs& in, const Dims& s, int64_t ch, float* __restr
       yrow[t] = acc + Dd * uv;
     }
   }
-  if (in.z.p) {  // the gate, in its own loop over time so sigmoid vectorises
+  if (zr) {  // the gate, in its own loop over time so sigmoid vectorises
 #pragma omp simd
-    for (int64_t t = 0; t < s.L; ++t) {
-      const float zv = in.z.at(bi, di, t);
-      yrow[t] *= zv * sigmoid(zv);
-    }
+    for (int64_t t = 0; t < s.L; ++t) yrow[t] *= zr[t] * sigmoid(zr[t]);
   }
-  for (int64_t t = 0; t < s.L; ++t) py[(bi * s.L + t) * s.d + di] = yrow[t];
   std::copy(h, h + n, plast + ch * n);
 }
 
-// Where the backward writes: per-channel outputs, per-thread partial sums (gA, gD, gB, gC), and its inputs
-// glast and the saved block-start states.
+// Where the backward writes: per-thread partial sums (gA, gD, gB, gC) and gh0; and its inputs glast and the
+// saved block-start states.
 struct Grads {
-  float *gu, *gdt, *gh0, *gz, *gA, *gD, *gB, *gC;
+  float *gh0, *gA, *gD, *gB, *gC;
   const float *glast, *starts;
 };
 
-// One thread's scratch: recomputed states and decays of a block, dt of the channel, the block's pre-gate output
-// and dLoss/d(pre).
+// One channel's rows in the backward: inputs dt, u, z (null without the gate), gy; outputs gu, gdt, gz.
+struct Rows {
+  const float *dt, *u, *z, *gy;
+  float *gu, *gdt, *gz;
+};
+
+// One thread's scratch: recomputed states and decays of a block, the block's pre-gate output and dLoss/d(pre).
 struct Workspace {
-  std::vector<float> hs, as, dtr, ur, pre, gyrow;
+  std::vector<float> hs, as, pre, gyrow;
 };
 
 // One (batch, channel) of the backward: per block from the last, recompute its states from the saved start,
 // then run the adjoint recurrence in reverse. N as in forward_channel.
 template <int64_t N>
-void backward_channel(const Inputs& in, const View& gyv, const Dims& s, int64_t ch, int th, const Grads& o,
-                      Workspace& w) {
+void backward_channel(const Inputs& in, const Dims& s, int64_t bi, int64_t di, int th, const Rows& r,
+                      const Grads& o, Workspace& w) {
   const int64_t n = N ? N : s.n;
-  const int64_t bi = ch / s.d, di = ch % s.d;
+  const int64_t ch = bi * s.d + di;
   alignas(64) float G[N ? N : MAX_STATE], Ad[N ? N : MAX_STATE], gAd[N ? N : MAX_STATE];
   for (int64_t j = 0; j < n; ++j) {
     Ad[j] = in.A[di * n + j];
@@ -177,9 +190,8 @@ void backward_channel(const Inputs& in, const View& gyv, const Dims& s, int64_t 
   }
   const float Dd = in.D ? in.D[di] : 0.0f;
   float gDd = 0.0f;
-  float* __restrict__ dtr = w.dtr.data();
-  float* __restrict__ ur = w.ur.data();
-  in.rows(s, bi, di, dtr, ur);
+  const float* __restrict__ dtr = r.dt;
+  const float* __restrict__ ur = r.u;
   float *gBt = o.gB + th * s.b * s.L * n, *gCt = o.gC + th * s.b * s.L * n;
   for (int64_t blk = s.nblocks - 1; blk >= 0; --blk) {
     const int64_t t0 = blk * s.block, t1 = std::min(s.L, t0 + s.block);
@@ -206,16 +218,15 @@ void backward_channel(const Inputs& in, const View& gyv, const Dims& s, int64_t 
       }
       pre[i] = acc + Dd * ur[t];
     }
-    if (in.z.p) {  // through the gate y = pre * silu(z), vectorised over the block's steps
-      float* gzc = o.gz + bi * s.L * s.d + di;
+    if (r.z) {  // through the gate y = pre * silu(z), vectorised over the block's steps
 #pragma omp simd
       for (int64_t i = 0; i < t1 - t0; ++i) {
-        const float zv = in.z.at(bi, di, t0 + i), sg = sigmoid(zv), g = gyv.at(bi, di, t0 + i);
-        gzc[(t0 + i) * s.d] = g * pre[i] * sg * (1.0f + zv * (1.0f - sg));
+        const float zv = r.z[t0 + i], sg = sigmoid(zv), g = r.gy[t0 + i];
+        r.gz[t0 + i] = g * pre[i] * sg * (1.0f + zv * (1.0f - sg));
         gr[i] = g * zv * sg;
       }
     } else {
-      for (int64_t i = 0; i < t1 - t0; ++i) gr[i] = gyv.at(bi, di, t0 + i);
+      for (int64_t i = 0; i < t1 - t0; ++i) gr[i] = r.gy[t0 + i];
     }
     // adjoint: G = dLoss/dh_t, carried backwards through a_t
     for (int64_t t = t1 - 1; t >= t0; --t) {
@@ -243,8 +254,8 @@ void backward_channel(const Inputs& in, const View& gyv, const Dims& s, int64_t 
         gAd[j] += glog * dtv;
         G[j] = g * ap[j];
       }
-      o.gu[(bi * s.L + t) * s.d + di] = gx * dtv + gyv_t * Dd;
-      o.gdt[(bi * s.L + t) * s.d + di] = gx * uv + gdt_a;
+      r.gu[t] = gx * dtv + gyv_t * Dd;
+      r.gdt[t] = gx * uv + gdt_a;
     }
   }
   float* gAt = o.gA + (th * s.d + di) * n;
@@ -265,11 +276,21 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor u, torch::Tensor dt, torch
   auto last = torch::empty({s.b, s.d, s.n}, u.options());
   auto starts = torch::empty({s.b, s.d, s.nblocks, s.n}, u.options());
   float *py = y.data_ptr<float>(), *plast = last.data_ptr<float>(), *pst = starts.data_ptr<float>();
-  parallel_channels(s.b * s.d, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
-    std::vector<float> dtr(s.L), ur(s.L), yrow(s.L);
-    for (int64_t ch = begin; ch < end; ++ch) {
-      if (s.n == 16) forward_channel<16>(in, s, ch, dtr.data(), ur.data(), yrow.data(), py, plast, pst);
-      else forward_channel<0>(in, s, ch, dtr.data(), ur.data(), yrow.data(), py, plast, pst);
+  const int64_t tiles = (s.d + TILE - 1) / TILE;
+  parallel_channels(s.b * tiles, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
+    std::vector<float> dtT(TILE * s.L), uT(TILE * s.L), zT(in.z.p ? TILE * s.L : 0), yT(TILE * s.L);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t bi = tile / tiles, c0 = (tile % tiles) * TILE, nc = std::min(TILE, s.d - c0);
+      gather(in.dt, bi, c0, nc, s.L, dtT.data());
+      gather(in.u, bi, c0, nc, s.L, uT.data());
+      if (in.z.p) gather(in.z, bi, c0, nc, s.L, zT.data());
+      for (int64_t c = 0; c < nc; ++c) {
+        const float* zr = in.z.p ? zT.data() + c * s.L : nullptr;
+        float *dtr = dtT.data() + c * s.L, *ur = uT.data() + c * s.L, *yr = yT.data() + c * s.L;
+        if (s.n == 16) forward_channel<16>(in, s, bi, c0 + c, dtr, ur, zr, yr, plast, pst);
+        else forward_channel<0>(in, s, bi, c0 + c, dtr, ur, zr, yr, plast, pst);
+      }
+      scatter(yT.data(), bi, c0, nc, s.L, s.d, py);
     }
   });
   return {y, last, starts};
@@ -285,8 +306,9 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, 
                                          int64_t threads) {
   const Dims s = dims_of(u, A, block);
   const Inputs in(u, dt, A, Bt, Ct, torch::empty({0}, u.options()), keep, D, z);
-  const View gyv_(gy);
-  threads = std::max<int64_t>(1, std::min<int64_t>(threads, s.b * s.d));
+  const View gyv(gy);
+  const int64_t tiles = (s.d + TILE - 1) / TILE;
+  threads = std::max<int64_t>(1, std::min<int64_t>(threads, s.b * tiles));
   auto opts = u.options();
   auto gu = torch::empty({s.b, s.L, s.d}, opts), gdt = torch::empty({s.b, s.L, s.d}, opts);
   auto gh0 = torch::empty({s.b, s.d, s.n}, opts);
@@ -296,18 +318,33 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, 
   auto gD_part = torch::zeros({threads, s.d}, opts);
   auto gB_part = torch::zeros({threads, s.b, s.L, s.n}, opts);
   auto gC_part = torch::zeros({threads, s.b, s.L, s.n}, opts);
-  const float *pgl = glast.data_ptr<float>(), *pst = starts.data_ptr<float>();
-  float *pgu = gu.data_ptr<float>(), *pgd = gdt.data_ptr<float>(), *pgh0 = gh0.data_ptr<float>();
+  const Grads out{gh0.data_ptr<float>(), gA_part.data_ptr<float>(), gD_part.data_ptr<float>(),
+                  gB_part.data_ptr<float>(), gC_part.data_ptr<float>(), glast.data_ptr<float>(),
+                  starts.data_ptr<float>()};
+  float *pgu = gu.data_ptr<float>(), *pgd = gdt.data_ptr<float>();
   float* pgz = gz.numel() ? gz.data_ptr<float>() : nullptr;
-  float *pgA = gA_part.data_ptr<float>(), *pgDp = gD_part.data_ptr<float>();
-  float *pgB = gB_part.data_ptr<float>(), *pgC = gC_part.data_ptr<float>();
-  const Grads out{pgu, pgd, pgh0, pgz, pgA, pgDp, pgB, pgC, pgl, pst};
-  parallel_channels(s.b * s.d, static_cast<int>(threads), [&](int th, int64_t begin, int64_t end) {
-    Workspace w{std::vector<float>((s.block + 1) * s.n), std::vector<float>(s.block * s.n), std::vector<float>(s.L),
-                std::vector<float>(s.L), std::vector<float>(s.block), std::vector<float>(s.block)};
-    for (int64_t ch = begin; ch < end; ++ch) {
-      if (s.n == 16) backward_channel<16>(in, gyv_, s, ch, th, out, w);
-      else backward_channel<0>(in, gyv_, s, ch, th, out, w);
+  parallel_channels(s.b * tiles, static_cast<int>(threads), [&](int th, int64_t begin, int64_t end) {
+    Workspace w{std::vector<float>((s.block + 1) * s.n), std::vector<float>(s.block * s.n),
+                std::vector<float>(s.block), std::vector<float>(s.block)};
+    const int64_t zl = in.z.p ? TILE * s.L : 0;
+    std::vector<float> dtT(TILE * s.L), uT(TILE * s.L), zT(zl), gyT(TILE * s.L);
+    std::vector<float> guT(TILE * s.L), gdtT(TILE * s.L), gzT(zl);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t bi = tile / tiles, c0 = (tile % tiles) * TILE, nc = std::min(TILE, s.d - c0);
+      gather(in.dt, bi, c0, nc, s.L, dtT.data());
+      gather(in.u, bi, c0, nc, s.L, uT.data());
+      gather(gyv, bi, c0, nc, s.L, gyT.data());
+      if (in.z.p) gather(in.z, bi, c0, nc, s.L, zT.data());
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t o = c * s.L;
+        const Rows r{dtT.data() + o, uT.data() + o, in.z.p ? zT.data() + o : nullptr, gyT.data() + o,
+                     guT.data() + o, gdtT.data() + o, in.z.p ? gzT.data() + o : nullptr};
+        if (s.n == 16) backward_channel<16>(in, s, bi, c0 + c, th, r, out, w);
+        else backward_channel<0>(in, s, bi, c0 + c, th, r, out, w);
+      }
+      scatter(guT.data(), bi, c0, nc, s.L, s.d, pgu);
+      scatter(gdtT.data(), bi, c0, nc, s.L, s.d, pgd);
+      if (in.z.p) scatter(gzT.data(), bi, c0, nc, s.L, s.d, pgz);
     }
   });
   return {gu, gdt, gA_part.sum(0), gB_part.sum(0), gC_part.sum(0), gh0, gD_part.sum(0), gz};
