@@ -30,7 +30,10 @@ from torch import Tensor
 SOURCE = Path(__file__).with_name("csrc") / "selective_scan_cpu.cpp"
 BLOCK = 64  # steps whose states the backward recomputes at a time (64 x d_state floats per channel)
 MAX_STATE = 256  # the kernel's d_state bound (its stack buffers; csrc MAX_STATE); larger runs the chunked path
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
+# -fopenmp: the kernel's parallel loops run in torch's own OpenMP pool (at::parallel_for; nothing is linked, the
+# runtime torch loaded serves them). Apple's clang has no -fopenmp: there the loops stay vectorised but serial.
+FLAGS = ["-O3", "-march=native", "-fopenmp" if sys.platform.startswith("linux") else "-fopenmp-simd",
+         "-ffp-contract=fast"]
 _state: dict[str, object] = {}
 _lock = threading.Lock()  # one build per process, whichever thread asks first (see build_in_background)
 

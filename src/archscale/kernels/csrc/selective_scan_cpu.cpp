@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -47,23 +46,22 @@ inline float fast_exp(float x) {
   return x < -87.3f ? 0.0f : p * scale;
 }
 
-// Runs fn(thread, begin, end) over [0, total) on up to `threads` std::threads (no OpenMP: torch ships its own
-// runtime, and a second one in the process would compete with it).
+// Runs fn(slot, begin, end) over [0, total) in torch's own intra-op thread pool (OpenMP: the module is compiled
+// with -fopenmp and not linked to any runtime, so it uses the one torch loaded), one piece per thread; slot is
+// the running thread's index, below slots(threads). Separate std::threads competed for the cores with torch's
+// pool threads, which spin-wait after every op: on 2 cores that cost the Mamba step ~10%.
 template <typename Fn>
 void parallel_channels(int64_t total, int threads, Fn fn) {
-  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, total)));
-  if (threads == 1) {
+  if (threads <= 1 || total <= 1) {
     fn(0, 0, total);
     return;
   }
-  std::vector<std::thread> pool;
   const int64_t per = (total + threads - 1) / threads;
-  for (int t = 0; t < threads; ++t) {
-    const int64_t begin = t * per, end = std::min(total, begin + per);
-    if (begin < end) pool.emplace_back(fn, t, begin, end);
-  }
-  for (auto& th : pool) th.join();
+  at::parallel_for(0, total, per, [&](int64_t begin, int64_t end) { fn(at::get_thread_num(), begin, end); });
 }
+
+// How many per-thread partial-sum slots a parallel_channels call may touch.
+int64_t slots(int64_t threads) { return std::max<int64_t>({1, threads, at::get_num_threads()}); }
 
 // A (b, d, L) tensor with arbitrary strides, read per element.
 struct View {
@@ -308,16 +306,16 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, 
   const Inputs in(u, dt, A, Bt, Ct, torch::empty({0}, u.options()), keep, D, z);
   const View gyv(gy);
   const int64_t tiles = (s.d + TILE - 1) / TILE;
-  threads = std::max<int64_t>(1, std::min<int64_t>(threads, s.b * tiles));
   auto opts = u.options();
   auto gu = torch::empty({s.b, s.L, s.d}, opts), gdt = torch::empty({s.b, s.L, s.d}, opts);
   auto gh0 = torch::empty({s.b, s.d, s.n}, opts);
   auto gz = z.numel() ? torch::empty({s.b, s.L, s.d}, opts) : torch::empty({0}, opts);
   // per-thread partial sums of the gradients that reduce over channels or batch, summed at the end
-  auto gA_part = torch::zeros({threads, s.d, s.n}, opts);
-  auto gD_part = torch::zeros({threads, s.d}, opts);
-  auto gB_part = torch::zeros({threads, s.b, s.L, s.n}, opts);
-  auto gC_part = torch::zeros({threads, s.b, s.L, s.n}, opts);
+  const int64_t nslot = slots(threads);
+  auto gA_part = torch::zeros({nslot, s.d, s.n}, opts);
+  auto gD_part = torch::zeros({nslot, s.d}, opts);
+  auto gB_part = torch::zeros({nslot, s.b, s.L, s.n}, opts);
+  auto gC_part = torch::zeros({nslot, s.b, s.L, s.n}, opts);
   const Grads out{gh0.data_ptr<float>(), gA_part.data_ptr<float>(), gD_part.data_ptr<float>(),
                   gB_part.data_ptr<float>(), gC_part.data_ptr<float>(), glast.data_ptr<float>(),
                   starts.data_ptr<float>()};
@@ -403,10 +401,9 @@ std::vector<torch::Tensor> conv_silu_backward(torch::Tensor gout, torch::Tensor 
                                               torch::Tensor bias, int64_t threads) {
   const ConvDims s(x, wT);
   TORCH_CHECK(gout.stride(2) == 1, "conv_silu: gout needs unit channel stride");
-  threads = std::max<int64_t>(1, std::min<int64_t>(threads, s.b * s.L));
   auto gpre = torch::empty({s.b, s.L, s.d}, x.options());  // dLoss/d(pre-activation)
   auto gx = torch::empty({s.b, s.L, s.d}, x.options());
-  auto gw_part = torch::zeros({threads, s.K + 1, s.d}, x.options());  // per thread: K taps, then the bias
+  auto gw_part = torch::zeros({slots(threads), s.K + 1, s.d}, x.options());  // per thread: K taps, then the bias
   const float *px = x.data_ptr<float>(), *pw = wT.data_ptr<float>(), *pg = gout.data_ptr<float>();
   const float* pb = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float *pgp = gpre.data_ptr<float>(), *pgx = gx.data_ptr<float>(), *pgw = gw_part.data_ptr<float>();
