@@ -284,3 +284,27 @@ def test_conv_silu_matches_torch(b, L, d, K, bias):
         assert got.dtype == torch.float32, name
         err = (got.double() - want).abs().max().item()
         assert err <= 1e-5 * want.abs().max().item() + 1e-6, f"{name}: max err {err:.3g}"
+
+
+@pytest.mark.skipif(not scan_cpu.available(), reason="the CPU kernel did not build")
+def test_cpu_kernel_threads_agree():
+    """The kernel splits channel tiles (and the conv its rows) over torch's threads, each summing its own partial
+    gradients of A, B, C, D and the conv weight: 1 and 2 threads must agree (up to the order of those sums)."""
+    inputs = make_inputs(3, 40, 16, 70, seed=11)
+    use = ("D", "z", "delta_bias", "initial_state")
+    x = torch.randn(2, 50, 2 * 40, generator=torch.Generator().manual_seed(2))[..., :40].transpose(1, 2)
+    w, bias = torch.randn(40, 1, 4), torch.randn(40)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = run("cpu", inputs, use)
+            xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, bias))
+            y = scan_cpu.conv_silu(xs, ws, bs)
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+            out.update(conv=y.detach(), conv_x=xs.grad, conv_w=ws.grad, conv_b=bs.grad)
+            results.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(results[1], results[0], rtol=1e-5, atol_scale=1e-6)
