@@ -142,8 +142,9 @@ def _backward(ctx, gy, glast, _gstarts):
     gy = gy.transpose(1, 2) if gy is not None else u.new_zeros(b, d, L)   # y is (b, L, d): read as (b, d, L)
     glast = glast.contiguous() if glast is not None else u.new_zeros(b, d, A.shape[1])
     gu, gdt, gA, gB, gC, gh0, gD, gz = _bwd(gy, glast, u, dt, A, Bt, Ct, keep, D, z, starts, ctx.block)
-    return (gu.transpose(1, 2), gdt.transpose(1, 2), gA, gB, gC, gh0 if ctx.has_h0 else None, None, gD if D.numel() else None,
-            gz.transpose(1, 2) if z.numel() else None, None)
+    # gu, gdt and gz come back (b, L, d), the layout of the Mamba layer's u, dt and z: read as (b, d, L)
+    return (gu.transpose(1, 2), gdt.transpose(1, 2), gA, gB, gC, gh0 if ctx.has_h0 else None, None,
+            gD if D.numel() else None, gz.transpose(1, 2) if z.numel() else None, None)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup)

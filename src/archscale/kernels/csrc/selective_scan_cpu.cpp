@@ -15,7 +15,7 @@
 //     a_t = exp(dt_t * A) * keep_t;  h_t = a_t h_{t-1} + dt_t u_t B_t
 //     y_t = (C_t . h_t + D u_t) * silu(z_t)
 // Layouts, fp32: u, dt, z, gy: (b, d, L) with any strides (the Mamba layer passes transposed views of
-// (b, L, d) storage; each channel's u and dt are gathered into a contiguous row first);
+// (b, L, d) storage; they are gathered into contiguous rows TILE channels at a time, see gather());
 // A (d, n); Bt, Ct (b, L, n) contiguous; h0 (b, d, n); keep (b, L) or empty; D (d) or empty; z may be
 // empty. y is written (b, L, d)-contiguous: what out_proj reads.
 
