@@ -87,6 +87,8 @@ Dims dims_of(const torch::Tensor& u, const torch::Tensor& A, int64_t block) {
 }
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }  // 0 / 1 at the clamps, as expf
+// d silu(x) / dx, given sg = sigmoid(x): the gate's backward in the scan and the conv's
+inline float dsilu(float x, float sg) { return sg * (1.0f + x * (1.0f - sg)); }
 
 // The inputs every channel reads, and the optional tail.
 struct Inputs {
@@ -220,7 +222,7 @@ void backward_channel(const Inputs& in, const Dims& s, int64_t bi, int64_t di, i
 #pragma omp simd
       for (int64_t i = 0; i < t1 - t0; ++i) {
         const float zv = r.z[t0 + i], sg = sigmoid(zv), g = r.gy[t0 + i];
-        r.gz[t0 + i] = g * pre[i] * sg * (1.0f + zv * (1.0f - sg));
+        r.gz[t0 + i] = g * pre[i] * dsilu(zv, sg);
         gr[i] = g * zv * sg;
       }
     } else {
@@ -417,8 +419,7 @@ std::vector<torch::Tensor> conv_silu_backward(torch::Tensor gout, torch::Tensor 
       conv_row(s, px, pw, pb, bi, t, gp);
 #pragma omp simd
       for (int64_t c = 0; c < s.d; ++c) {
-        const float sg = sigmoid(gp[c]);
-        gp[c] = g[c] * sg * (1.0f + gp[c] * (1.0f - sg));
+        gp[c] = g[c] * dsilu(gp[c], sigmoid(gp[c]));
       }
       for (int64_t k = std::max<int64_t>(0, s.K - 1 - t); k < s.K; ++k) {
         const float* __restrict__ xr = px + bi * s.sb + (t - s.K + 1 + k) * s.st;
