@@ -71,6 +71,23 @@ def test_chunked_matches_ref_with_resets(seed):
         assert_close(run(inputs, impl="chunked", chunk_size=chunk, reset=reset), want)
 
 
+@pytest.mark.parametrize("h0", ["none", "frozen", "trained"])
+def test_chunked_without_final_state_matches_ref(h0):
+    """Training's call: no final state asked for (the last chunk's state write and its gradient are skipped),
+    no initial state (the first chunk's products with S are skipped), or one that takes no gradient."""
+    inputs = make_inputs(2, 70, 2, 8, 12, seed=11)
+    grads = {}
+    for impl in ("ref", "chunked"):
+        t = {k: x.detach().clone().requires_grad_(k != "h0" or h0 == "trained") for k, x in inputs.items()}
+        o, last = gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], impl=impl, chunk_size=16,
+                                   initial_state=None if h0 == "none" else t["h0"])
+        assert last is None
+        (o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum().backward()
+        grads[impl] = {"o": o.detach(), **{k: t[k].grad for k in INPUTS if t[k].requires_grad}}
+    assert ("h0" in grads["chunked"]) == (h0 == "trained")
+    assert_close(grads["chunked"], grads["ref"])
+
+
 def test_packed_equals_separate_and_leaks_without_resets():
     """Two documents packed in one row == each run alone (values and gradients); without the reset the second
     document sees the first (the control)."""
@@ -146,7 +163,7 @@ def test_strong_decay_stays_finite():
 
 
 def test_unit_lower_inverse_is_exact_on_hard_systems():
-    """The block inverse equals a float64 triangular solve on the systems the delta rule builds
+    """The fp32 unit-triangular solve equals a float64 one on the systems the delta rule builds
     (L[i, j] = beta_i k_i.k_j, unit keys, beta in (0, 2), no decay: the worst conditioning), also for beta = 2 on
     identical keys (every entry of L is 2, where a power series would cancel catastrophically)."""
     g = torch.Generator().manual_seed(0)

@@ -265,7 +265,7 @@ def test_roles_follow_archscale_group_rule():
 @pytest.mark.parametrize("T,chunk", [(100, 16), (64, 64), (37, 64)])
 def test_flops_match_flop_counter(T, chunk):
     """SPEC.flops (non-elementwise terms) + 2 x the Linear weights == FlopCounterMode's matmul/conv count of
-    one forward, within 5%."""
+    one forward, within 5% ("solve", the triangular solve, is left out: the counter does not see it)."""
     cfg = ModelConfig.from_arch("mambay", 4, ar=8, mixer_options={"gdn": {"head_dim": 8, "num_heads": 2,
                                                                           "chunk_size": chunk}})
     m = GatedDeltaNetMixer(cfg, 0, "gdn")
@@ -275,7 +275,7 @@ def test_flops_match_flop_counter(T, chunk):
     measured = counter.get_total_flops() / T
     terms = SPEC.flops(cfg, "gdn", T)
     linear = sum(p.numel() for n, p in m.named_parameters() if n.endswith("proj.weight"))
-    predicted = 2 * linear + sum(v for k, v in terms.items() if not k.endswith("_elementwise"))
+    predicted = 2 * linear + sum(v for k, v in terms.items() if not k.endswith("_elementwise") and k != "solve")
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured, terms)
 
 

@@ -19,13 +19,14 @@ Implementations (``impl=``):
 - ``"ref"``: a plain loop over time (the oracle the others are tested against).
 - ``"chunked"``: ``CHUNK`` steps at a time. Inside a chunk (c = 0..C-1, G = within-chunk cumsum of g,
   M[i, j] = exp(G_i - G_j) for j <= i in the same document, else 0) the delta-rule writes solve the
-  unit-lower-triangular system (I + L) u = beta v - beta exp(G) k S_0 with L[i, j] = beta_i (k_i . k_j) M[i, j],
-  j < i. With Tinv = (I + L)^-1 (one small triangular solve per chunk): U = Tinv (beta v), W = Tinv (beta
-  exp(G) k), so u = U - W S_0 for whatever state S_0 enters the chunk (-W is what is stored: the sign, beta, the
-  decays and the scale all fold into the small (C, C) factors). Only that product and the state update
-  S_C = exp(G_C) S_0 + (exp(G_C - G) k)^T u are sequential over chunks; the outputs
-  o = (exp(G) q) S_0 + ((q k^T) * M) u are batched matmuls over all chunks after the loop. Every exp is of a
-  non-positive number, so strong decay underflows harmlessly to 0. Autograd differentiates it.
+  unit-lower-triangular system (I + L) u = beta (v - exp(G) k S_0) with L[i, j] = beta_i (k_i . k_j) M[i, j],
+  j < i, for whatever state S_0 enters the chunk. With Tb = (I + L)^-1 diag(beta) (one small triangular solve
+  per chunk, for all chunks at once) u = Tb (v - exp(G) k S_0), o = ((q k^T) * M) u + exp(G) q S_0, and the
+  next state is S_C = exp(G_C) S_0 + k^T (exp(G_C - G) u). Only those products with S are sequential over
+  chunks: one loop over chunks forward and one backward, each on the chunk's block of every row and head while
+  it is in cache. Every exp is of a non-positive number, so strong decay underflows harmlessly to 0. Forward
+  and backward are written by hand (`_ChunkFactors` for the small (C, C) factors, `_ChunkScan` for the
+  loop), checked against autograd through `"ref"`.
 - ``"fla"``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (flash-linear-attention, CUDA tensors). With
   `reset` the batch is flattened into one sequence with ``cu_seqlens`` (fla's varlen form); a call with both
   `reset` and `initial_state` falls back to ``"chunked"``.
@@ -89,17 +90,16 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
         return _fla_forward(q, k, v, g, beta, scale, initial_state, output_final_state, reset, use_qk_l2norm)
     with torch.autocast(device_type=q.device.type, enabled=False):
         h0 = None if initial_state is None else initial_state.float()
-        gb = [x.float().transpose(1, 2) for x in (g, beta)]                  # (b, h, t)
         if impl == "ref":
+            gb = [x.float().transpose(1, 2) for x in (g, beta)]              # (b, h, t)
             qf, kf = q.float(), k.float()
             if use_qk_l2norm:
                 qf, kf = l2norm(qf), l2norm(kf)
             qkv = [x.transpose(1, 2) for x in (qf * scale, kf, v.float())]   # (b, h, t, ...)
             o, last = _recurrence_ref(*qkv, *gb, h0, reset)
-        else:
-            qkv = [_heads_first(x, use_qk_l2norm) for x in (q, k)] + [v.float().transpose(1, 2).contiguous()]
-            o, last = _chunked(*qkv, *gb, h0, reset, chunk_size, scale)
-    return o.transpose(1, 2).to(v.dtype), (last if output_final_state else None)
+            return o.transpose(1, 2).to(v.dtype), (last if output_final_state else None)
+        o, last = _chunked(q, k, v, g, beta, h0, reset, chunk_size, scale, use_qk_l2norm, output_final_state)
+    return o.to(v.dtype), last
 
 
 def gated_delta_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
@@ -141,182 +141,240 @@ def _recurrence_ref(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Chunked: the UT transform inside chunks, the state passed between chunks.
+# Chunked: the UT transform inside chunks, the state passed between chunks. Every tensor is chunk-major,
+# (n, b, h, C, ...), so chunk c of all rows and heads is one contiguous block that the loops below read while
+# it is still in cache.
 
-def _heads_first(x: Tensor, normalise: bool) -> Tensor:
-    """(b, t, h, D) -> contiguous fp32 (b, h, t, D), l2-normalised over D if asked (one fused pass each way)."""
-    if normalise:
-        return _L2NormHeadsFirst.apply(x)
-    return x.float().transpose(1, 2).contiguous()
+def _chunk_major(x: Tensor, C: int) -> Tensor:
+    """(b, n C, h, ...) -> a (n, b, h, C, ...) view."""
+    return x.unflatten(1, (x.shape[1] // C, C)).transpose(0, 1).transpose(2, 3)  # splitting t: always a view
 
 
-class _L2NormHeadsFirst(torch.autograd.Function):
-    """y = x rsqrt(sum x^2 + 1e-6), written heads-first; backward dx = r (dy - y (y . dy))."""
+class _KeysOverQueries(torch.autograd.Function):
+    """k, q (b, t, h, K) -> fp32 (n, b, h, 2C, K): chunk c's keys stacked over its queries, each row
+    l2-normalised (y = x rsqrt(sum x^2 + 1e-6)) when asked. One fused pass each way; the backward
+    dx = r (dy - y (y . dy)) is written straight into x's layout."""
 
     @staticmethod
-    def forward(ctx, x):
-        xf = x.float()
-        r = torch.rsqrt((xf * xf).sum(-1, keepdim=True).add_(1e-6))         # (b, t, h, 1)
-        y = torch.empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3], dtype=torch.float32, device=x.device)
-        torch.mul(xf.transpose(1, 2), r.transpose(1, 2), out=y)
-        ctx.save_for_backward(y, r)
-        ctx.in_dtype = x.dtype
+    def forward(ctx, k, q, C, normalise):
+        b, t, h, K = k.shape
+        y = torch.empty(t // C, b, h, 2, C, K, dtype=torch.float32, device=k.device)
+        rs = []
+        for i, x in enumerate((k, q)):
+            xf = x.float()
+            if normalise:
+                r = torch.rsqrt((xf * xf).sum(-1, keepdim=True).add_(1e-6))  # (b, t, h, 1)
+                torch.mul(_chunk_major(xf, C), _chunk_major(r, C), out=y[:, :, :, i])
+                rs.append(r)
+            else:
+                y[:, :, :, i].copy_(_chunk_major(xf, C))
+        y = y.view(t // C, b, h, 2 * C, K)
+        ctx.save_for_backward(y, *rs)
+        ctx.dtypes, ctx.C = (k.dtype, q.dtype), C
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        y, r = ctx.saved_tensors
-        dot = (y * dy).sum(-1, keepdim=True)                                 # (b, h, t, 1)
-        g = torch.addcmul(dy, y, dot, value=-1.0).mul_(r.transpose(1, 2))
-        return g.transpose(1, 2).to(ctx.in_dtype)
+        y, *rs = ctx.saved_tensors
+        n, b, h, C2, K = y.shape
+        C = ctx.C
+        y, dy = y.view(n, b, h, 2, C, K), dy.view(n, b, h, 2, C, K)
+        grads = []
+        for i, dtype in enumerate(ctx.dtypes):
+            dx = torch.empty(b, n * C, h, K, dtype=torch.float32, device=y.device)
+            if rs:
+                yi, dyi = y[:, :, :, i], dy[:, :, :, i]
+                dot = (yi * dyi).sum(-1, keepdim=True)
+                torch.addcmul(dyi, yi, dot, value=-1.0, out=_chunk_major(dx, C)).mul_(_chunk_major(rs[i], C))
+            else:
+                _chunk_major(dx, C).copy_(dy[:, :, :, i])
+            grads.append(dx.to(dtype))
+        return grads[0], grads[1], None, None
 
 
 def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None,
-             reset: Tensor | None, chunk: int, scale: float = 1.0) -> tuple[Tensor, Tensor]:
-    """Shapes as `_recurrence_ref`, but q not yet scaled (`scale` folds into the small decay factors). Pads t to
-    a multiple of `chunk` with g = 0, beta = 0, k = q = 0 steps (decay 1, no write), so the state carries through
-    the padding unchanged."""
-    b, h, t, K = k.shape
+             reset: Tensor | None, chunk: int, scale: float, normalise: bool,
+             need_last: bool) -> tuple[Tensor, Tensor | None]:
+    """q, k (b, t, h, K), v (b, t, h, V), g, beta (b, t, h), in the caller's layout and dtype. Returns o (b, t, h, V)
+    fp32 and the final state (None unless `need_last`). Pads t to a multiple of the chunk with g = 0, beta = 0,
+    k = q = 0 steps (decay 1, no write), so the state carries through the padding unchanged."""
+    b, t, h, K = k.shape
     V = v.shape[-1]
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"gated_delta_rule: chunk_size must be a power of two (got {chunk})")
     if t == 0:
-        return v.new_zeros(v.shape), (h0 if h0 is not None else k.new_zeros(b, h, K, V))
+        return v.new_zeros(v.shape, dtype=torch.float32), (h0 if h0 is not None else k.new_zeros(b, h, K, V))
     C = min(chunk, 1 << (t - 1).bit_length())                                # a short input: one chunk
     pad = -t % C
     if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-        if reset is not None:
-            reset = F.pad(reset, (0, pad), value=False)
-    n = (t + pad) // C
-    q, k, v = (x.reshape(b, h, n, C, x.shape[-1]) for x in (q, k, v))
-    beta = beta.reshape(b, h, n, C)
-    same, fresh = _document_masks(reset, b, n, C)                           # (b, 1, n, C, C), (b, 1, n, C)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    if same is None:
-        G = g.reshape(b, h, n, C).cumsum(-1)                                 # log decay from chunk start
-    else:  # the sum restarts at each document start: no gate of an earlier document enters, not even rounded
-        G = ((same * causal) @ g.reshape(b, h, n, C, 1)).squeeze(-1)
-    M = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()   # (b, h, n, C, C)
-    if same is not None:
-        M = M * same
-    eG = G.exp()                                                             # decay from the chunk start
-    eG_end = (G[..., -1:] - G).exp()                                         # decay to the chunk end
-    a_end = eG[..., -1]                                                      # whole-chunk decay (b, h, n)
-    if fresh is not None:                                                    # a document starts in between:
-        eG = eG * fresh                                                      # the entering state is dropped
-        eG_end = eG_end * same[..., -1, :]
-        a_end = a_end * fresh[..., -1]
-    # beta and the decays scale rows / columns of the small (C, C) matrices, not the (C, K) / (C, V) tensors
-    kT = k.transpose(-1, -2)
-    Tinv = _unit_lower_inverse((beta[..., :, None] * (k @ kT)) * M.tril(-1))  # (I + L)^-1, L strictly lower
-    U = (Tinv * beta[..., None, :]) @ v                                      # Tinv (beta v)
-    W = (Tinv * -(beta * eG)[..., None, :]) @ k                              # -Tinv (beta exp(G) k): u = U + W S_0
-    A = (q @ kT) * (M * scale)                                               # (b, h, n, C, C), causal
-    Qe = q * (eG * scale)[..., None]                                         # reads the entering state
-    kd = (k * eG_end[..., None]).transpose(-1, -2)                          # (b, h, n, K, C): writes the next
-    S = h0 if h0 is not None else q.new_zeros(b, h, K, V)
-    o, S = _StatePass.apply(U, W, Qe, A, kd, a_end, S)                      # (b, h, n, C, V), (b, h, K, V)
-    return o.reshape(b, h, n * C, V)[:, :, :t], S
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+        reset = None if reset is None else F.pad(reset, (0, pad), value=False)
+    kq = _KeysOverQueries.apply(k, q, C, normalise)                          # (n, b, h, 2C, K)
+    same, fresh = _document_masks(reset, k.shape[0], kq.shape[0], C)         # (n, b, 1, C, C), (n, b, 1, C)
+    eG, eGe, a, Tb, A = _ChunkFactors.apply(kq, _chunk_major(g.float(), C), _chunk_major(beta.float(), C),
+                                            same, fresh, scale)
+    o, last = _ChunkScan.apply(kq, v.float(), eG, eGe, a, Tb, A, h0, scale, need_last)
+    return o[:, :t], (last if need_last else None)
 
 
-class _StatePass(torch.autograd.Function):
-    """The sequential part of the chunked form, with a hand-written backward (autograd's would add a
-    full-size gradient buffer per chunk).
+class _ChunkFactors(torch.autograd.Function):
+    """The small per-chunk factors, with a hand-written backward. kq (n, b, h, 2C, K) keys over queries; g, beta
+    (n, b, h, C); same, fresh the document masks (or None). With G the within-chunk cumsum of g (restarting at
+    document starts) and M[i, j] = exp(G_i - G_j) for j <= i in one document:
+    eG = exp(G) (decay from the chunk start, 0 once a document started), eGe = exp(G_end - G) (decay to the
+    chunk end), a = exp(G_end) (the whole chunk), Tb = (I + L)^-1 diag(beta) with L = diag(beta) (k k^T * M)
+    strictly lower, and A = (q k^T * M) scale (causal).
 
-    For chunks c = 0..n-1 from S_0 = h0:  u_c = U_c + W_c S_c;  o_c = A_c u_c + Qe_c S_c;
-    S_{c+1} = a_c S_c + kd_c u_c.  Shapes: U (b, h, n, C, V), W, Qe (b, h, n, C, K), A (b, h, n, C, C),
-    kd (b, h, n, K, C), a (b, h, n), h0 (b, h, K, V). Returns o (b, h, n, C, V) and S_n.
-
-    Backward, chunk by chunk from the last: du_c = A_c^T do_c + kd_c^T dS_{c+1};
-    dS_c = a_c dS_{c+1} + Qe_c^T do_c + W_c^T du_c; and the gradients of the chunk's factors from the same
-    operands. Every product is made inside the loop, on the state just computed: on CPU, (b h) products per chunk
-    with S hot in cache run about twice as fast as one product batched over all chunks that streams the stacked
-    states (measured with benchmarks/gdn_throughput.py). The states are written chunk-major, in place.
-    """
+    Backward: dT = dTb diag(beta); dL = -T^T dT T^T (strictly lower); d(k k^T) = beta dL * M;
+    d(q k^T) = scale dA * M; dM = beta dL * k k^T + scale dA * q k^T; dG from M, eG, eGe and a (each is
+    exp of a difference of G's, so its gradient is itself times the upstream one); dg = the reverse cumsum."""
 
     @staticmethod
-    def forward(ctx, U, W, Qe, A, kd, a, h0):
-        b, h, n, C, V = U.shape
-        WQ = torch.cat([W, Qe], dim=-2).movedim(2, 0).contiguous()          # (n, b, h, 2C, K): one product with S
-        kd = kd.movedim(2, 0).contiguous()                                   # (n, b, h, K, C): row-major per chunk
-        states = U.new_empty(n + 1, b, h, *h0.shape[-2:])                   # S_0 .. S_n, chunk-major
-        u = U.new_empty(n, b, h, C, V)
-        o = U.new_empty(b, h, n, C, V)
-        states[0].copy_(h0)
-        for c in range(n):
-            S = states[c]
-            ws = WQ[c] @ S                                                   # (b, h, 2C, V): W_c S_c over Qe_c S_c
-            torch.add(U[:, :, c], ws[..., :C, :], out=u[c])
-            o[:, :, c] = torch.baddbmm(ws[..., C:, :].flatten(0, 1), A[:, :, c].flatten(0, 1),
-                                       u[c].flatten(0, 1)).view(b, h, C, V)
-            torch.matmul(kd[c], u[c], out=states[c + 1]).addcmul_(S, a[:, :, c, None, None])
-        ctx.save_for_backward(WQ, A, kd, a, states, u)
-        return o, states[n].clone()
+    def forward(ctx, kq, g, beta, same, fresh, scale):
+        C = kq.shape[-2] // 2
+        P = kq @ kq[..., :C, :].transpose(-1, -2)                            # [k k^T; q k^T] in one product
+        KK, QK = P[..., :C, :], P[..., C:, :]
+        causal = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
+        sc = None if same is None else same * causal
+        G = g.cumsum(-1) if sc is None else (sc @ g[..., None]).squeeze(-1)  # no earlier document's gate
+        M = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+        eG, eGe = G.exp(), (G[..., -1:] - G).exp()
+        a = eG[..., -1]
+        if same is not None:                                                 # a document starts in between:
+            M = M * same
+            eG, eGe, a = eG * fresh, eGe * same[..., -1, :], a * fresh[..., -1]  # the entering state is dropped
+        Ml = M.tril(-1)
+        T = _unit_lower_inverse((beta[..., :, None] * KK) * Ml)
+        ctx.save_for_backward(kq, P, beta, M, T, eG, eGe, a, sc)
+        ctx.scale = scale
+        return eG, eGe, a, T * beta[..., None, :], QK * (M * scale)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dS_last):
-        WQ, A, kd, a, states, u = ctx.saved_tensors
-        n, b, h, C2, K = WQ.shape
+    def backward(ctx, deG, deGe, da, dTb, dA):
+        kq, P, beta, M, T, eG, eGe, a, sc = ctx.saved_tensors
+        C = kq.shape[-2] // 2
+        KK, QK = P[..., :C, :], P[..., C:, :]
+        Tt = T.transpose(-1, -2)
+        dbeta = (dTb * T).sum(-2)                                            # Tb = T diag(beta)
+        dL = (Tt @ (dTb * beta[..., None, :]) @ Tt).neg_().tril_(-1)
+        bdL = dL * beta[..., :, None]
+        dbeta += (dL * KK * M).sum(-1)
+        dP = torch.empty_like(P)
+        torch.mul(bdL, M, out=dP[..., :C, :])
+        torch.mul(dA, M, out=dP[..., C:, :]).mul_(ctx.scale)
+        E = (bdL * KK).add_(dA * QK, alpha=ctx.scale).mul_(M)                # dM * M
+        dG = E.sum(-1) - E.sum(-2)
+        dG += deG * eG
+        t = deGe * eGe
+        dG -= t
+        dG[..., -1] += t.sum(-1) + da * a
+        dg = dG.flip(-1).cumsum(-1).flip(-1) if sc is None else (sc.transpose(-1, -2) @ dG[..., None]).squeeze(-1)
+        dkq = dP @ kq[..., :C, :]
+        dkq[..., :C, :] += dP.transpose(-1, -2) @ kq                        # k is also the right factor
+        return dkq, dg, dbeta, None, None, None
+
+
+class _ChunkScan(torch.autograd.Function):
+    """The sequential part, over chunks c = 0..n-1 from S_0 = h0 (zero if None), with a hand-written backward.
+
+    Per chunk, with k, q the chunk's rows of kq:  z = v - eG * (k S_c);  u = Tb z  (the delta-rule writes);
+    o = A u + scale eG * (q S_c);  S_{c+1} = a S_c + k^T (eGe * u). Shapes: kq (n, b, h, 2C, K); v (b, t, h, V);
+    eG, eGe (n, b, h, C); a (n, b, h); Tb, A (n, b, h, C, C); h0 (b, h, K, V). Returns o (b, t, h, V) and S_n
+    (not computed unless `need_last`).
+
+    Backward, from the last chunk: du = A^T do + eGe * (k dS_{c+1}); dz = Tb^T du (= dv);
+    d[kS; qS] = [-eG * dz; scale eG * do]; d kq = d[kS; qS] S_c^T (+ (eGe * u) dS_{c+1}^T for k);
+    dS_c = a dS_{c+1} + kq^T d[kS; qS]. Each product is made on the state just computed, which stays in cache
+    (twice as fast on CPU as one product batched over all chunks). Products with a zero state are skipped: the
+    first chunk's without h0, the last chunk's state write and its gradient when S_n is not asked for.
+    """
+
+    @staticmethod
+    def forward(ctx, kq, v, eG, eGe, a, Tb, A, h0, scale, need_last):
+        n, b, h, C2, K = kq.shape
         C = C2 // 2
-        dudo = u.new_empty(n, b, h, 2 * C, u.shape[-1])                     # [du_c; do_c], chunk-major
-        if do is None:
-            dudo[:, :, :, C:].zero_()
-        du = dudo[:, :, :, :C]
-        dWQ = torch.empty_like(WQ)
-        dA = A.new_empty(n, b, h, C, C)
-        dkd = torch.empty_like(kd)
-        da = a.new_empty(n, b, h)
-        dS = dS_last.clone() if dS_last is not None else torch.zeros_like(states[0])
-        scratch = torch.empty_like(dS)
+        vc = _chunk_major(v, C)
+        o = v.new_empty(v.shape)
+        oc = _chunk_major(o, C)
+        states = kq.new_empty(n + 1, b, h, K, v.shape[-1])
+        kqS = kq.new_empty(n, b, h, C2, v.shape[-1])                         # [k S_c; q S_c]
+        u = kq.new_empty(n, b, h, C, v.shape[-1])
+        states[0] = 0 if h0 is None else h0
+        if h0 is None:
+            kqS[0] = 0
+        for c in range(n):
+            S = states[c]
+            if c or h0 is not None:
+                torch.matmul(kq[c], S, out=kqS[c])
+            z = torch.addcmul(vc[c], kqS[c, :, :, :C], eG[c, ..., None], value=-1.0)
+            torch.matmul(Tb[c], z, out=u[c])
+            oc[c] = torch.matmul(A[c], u[c]).addcmul_(kqS[c, :, :, C:], eG[c, ..., None], value=scale)
+            if c < n - 1 or need_last:
+                ue = u[c] * eGe[c, ..., None]
+                torch.matmul(kq[c, :, :, :C].transpose(-1, -2), ue, out=states[c + 1])
+                states[c + 1].addcmul_(S, a[c, ..., None, None])
+        ctx.save_for_backward(kq, v, eG, eGe, a, Tb, A, states, kqS, u)
+        ctx.scale, ctx.zero_start, ctx.need_last = scale, h0 is None, need_last
+        return o, (states[n].clone() if need_last else states.new_zeros(()))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dlast):
+        kq, v, eG, eGe, a, Tb, A, states, kqS, u = ctx.saved_tensors
+        n, C = kq.shape[0], kq.shape[-2] // 2
+        doc, vc = _chunk_major(do if do is not None else torch.zeros_like(v), C), _chunk_major(v, C)
+        dkq, dv = torch.empty_like(kq), torch.empty_like(v)
+        dTb, dA, deG = (torch.empty_like(x) for x in (Tb, A, eG))
+        deGe, da = torch.zeros_like(eGe), torch.zeros_like(a)               # stay 0 where no gradient enters
+        dkqS = torch.empty_like(kqS[0])
+        dS = dlast if ctx.need_last and dlast is not None else None
         for c in range(n - 1, -1, -1):
-            S, do_c, u_c = states[c], dudo[c, :, :, C:], u[c]
-            if do is not None:
-                do_c.copy_(do[:, :, c])
-            torch.matmul(A[:, :, c].transpose(-1, -2), do_c, out=du[c]).add_(kd[c].transpose(-1, -2) @ dS)
-            torch.matmul(dS, u_c.transpose(-1, -2), out=dkd[c])
-            torch.sum(torch.mul(dS, S, out=scratch), (-1, -2), out=da[c])
-            torch.matmul(dudo[c], S.transpose(-1, -2), out=dWQ[c])           # dW_c over dQe_c
+            S, u_c, do_c = states[c], u[c], doc[c]
+            kS, qS = kqS[c, :, :, :C], kqS[c, :, :, C:]
+            du = A[c].transpose(-1, -2) @ do_c
+            if dS is not None:                                               # the chunk's write into S_{c+1}
+                kdS = kq[c, :, :, :C] @ dS
+                du.addcmul_(kdS, eGe[c, ..., None])
+                deGe[c] = (u_c * kdS).sum(-1)
+                da[c] = (dS * S).sum((-1, -2))
             torch.matmul(do_c, u_c.transpose(-1, -2), out=dA[c])
-            dS = torch.matmul(WQ[c].transpose(-1, -2), dudo[c]).addcmul_(dS, a[:, :, c, None, None])
-        dWQ = dWQ.movedim(0, 2)
-        return (du.movedim(0, 2), dWQ[..., :C, :], dWQ[..., C:, :], dA.movedim(0, 2), dkd.movedim(0, 2),
-                da.movedim(0, 2), dS)
+            z = torch.addcmul(vc[c], kS, eG[c, ..., None], value=-1.0)
+            torch.matmul(du, z.transpose(-1, -2), out=dTb[c])
+            dz = Tb[c].transpose(-1, -2) @ du
+            _chunk_major(dv, C)[c] = dz
+            torch.mul(dz, eG[c, ..., None], out=dkqS[:, :, :C]).neg_()
+            torch.mul(do_c, eG[c, ..., None], out=dkqS[:, :, C:]).mul_(ctx.scale)
+            deG[c] = (do_c * qS).sum(-1).mul_(ctx.scale).sub_((dz * kS).sum(-1))
+            if c or not ctx.zero_start:
+                torch.matmul(dkqS, S.transpose(-1, -2), out=dkq[c])
+            else:
+                dkq[c].zero_()
+            if dS is not None:
+                dkq[c, :, :, :C] += (u_c * eGe[c, ..., None]) @ dS.transpose(-1, -2)
+            if c or (not ctx.zero_start and ctx.needs_input_grad[7]):
+                dS_c = kq[c].transpose(-1, -2) @ dkqS
+                dS = dS_c if dS is None else dS_c.addcmul_(dS, a[c, ..., None, None])
+        dh0 = dS if not ctx.zero_start and ctx.needs_input_grad[7] else None
+        return dkq, dv, deG, deGe, da, dTb, dA, dh0, None, None
 
 
 def _unit_lower_inverse(L: Tensor) -> Tensor:
-    """(I + L)^-1 for strictly lower-triangular L (..., C, C), by block forward substitution in matmuls:
-    inv([[A, 0], [X, B]]) = [[A^-1, 0], [-B^-1 X A^-1, B^-1]], doubling the block size from 1 (C / 2^j
-    independent blocks per level, all at once). Exact like a triangular solve (no series, no cancellation);
-    torch.linalg.solve_triangular is several times slower on CPU for these many small systems."""
-    C = L.shape[-1]
-    lead = L.shape[:-2]
-    size = 1
-    inv = torch.ones(*lead, C, 1, 1, dtype=L.dtype, device=L.device)        # the 1x1 diagonal blocks
-    while size < C:
-        if C % (2 * size):
-            raise ValueError(f"chunk size {C} must be a power of two")
-        m = C // (2 * size)
-        blocks = L.reshape(*lead, m, 2 * size, m, 2 * size).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
-        X = blocks[..., size:, :size]                                        # (..., m, s, s)
-        inv = inv.reshape(*lead, m, 2, size, size)
-        A_inv, B_inv = inv[..., 0, :, :], inv[..., 1, :, :]
-        low = -(B_inv @ X @ A_inv)
-        top = torch.cat([A_inv, torch.zeros_like(A_inv)], dim=-1)
-        inv = torch.cat([top, torch.cat([low, B_inv], dim=-1)], dim=-2)      # (..., m, 2s, 2s)
-        size *= 2
-    return inv.reshape(*lead, C, C)
+    """(I + L)^-1 for strictly lower-triangular L (..., C, C): one batched unit-triangular solve (LAPACK's trsm
+    ignores L's zero diagonal and takes it as 1). Exact forward substitution: no series, no cancellation."""
+    eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
+    return torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False, unitriangular=True)
 
 
 def _document_masks(reset: Tensor | None, b: int, n: int, C: int):
     """same[i, j]: positions i and j of a chunk lie in one document; fresh[i]: no document starts in the chunk
-    up to and including i (so the state entering the chunk still counts). None, None without resets."""
+    up to and including i (so the state entering the chunk still counts). Chunk-major, (n, b, 1, C, C) and
+    (n, b, 1, C); None, None without resets."""
     if reset is None:
         return None, None
-    starts = reset.reshape(b, 1, n, C).to(torch.float32).cumsum(-1)           # documents begun so far
+    starts = reset.reshape(b, n, C).transpose(0, 1)[:, :, None].to(torch.float32).cumsum(-1)  # begun so far
     same = (starts[..., :, None] == starts[..., None, :]).to(torch.float32)
     fresh = (starts == 0).to(torch.float32)
     return same, fresh

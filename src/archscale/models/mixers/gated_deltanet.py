@@ -220,18 +220,21 @@ def options(config: ModelConfig) -> GDNOptions:
 
 
 def gdn_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float]:
-    """Per token, the products the chunked kernel runs for a sequence of `seq_len` (padded to whole chunks of
-    C = min(chunk_size, next power of two >= seq_len)), per head and chunk: k k^T, q k^T (2 C^2 K each), the
-    block inverse (2 C (C^2 - 1) / 3), U and W (2 C^2 V, 2 C^2 K), the state read/update/output products
-    (3 x 2 C K V) and the intra-chunk output (2 C^2 V); plus the depthwise convs. The decode step costs
-    ~6 K V per head. "scan_elementwise": gates, l2norms, decays and the gated norm (not matmuls)."""
+    """Per token, the products the chunked kernel runs for a sequence of `seq_len` (padded to n whole chunks of
+    C = min(chunk_size, next power of two >= seq_len)), per head: in every chunk [k; q] k^T (4 C^2 K), the
+    delta-rule writes Tb z and the intra-chunk output A u (2 C^2 V each); the state read [k; q] S and the state
+    update k^T u (6 C K V) in all chunks but one (training starts from a zero state and keeps no final one);
+    the unit-triangular solve ("solve", ~C^3 / 3, which FlopCounterMode does not count); plus the depthwise
+    convs. The decode step costs ~6 K V per head. "scan_elementwise": gates, l2norms, decays and the gated
+    norm (not matmuls)."""
     opts = options(config)
     H, K, V, value_dim = widths(config, opts)
     T = max(seq_len, 1)
     C = min(opts.chunk_size, 1 << (T - 1).bit_length())
     n = -(-T // C)
-    per_chunk = 2 * C * C * K * 3 + 2 * C * (C * C - 1) / 3 + 2 * C * C * V * 2 + 3 * 2 * C * K * V
-    return {"scan": H * n * per_chunk / T,
+    scan = n * (4 * C * C * K + 4 * C * C * V) + (n - 1) * 6 * C * K * V
+    return {"scan": H * scan / T,
+            "solve": H * n * C ** 3 / 3 / T,
             "conv": 2.0 * opts.conv_size * (2 * H * K + value_dim),
             "scan_elementwise": 12.0 * H * (K + V) + 8.0 * value_dim}
 
