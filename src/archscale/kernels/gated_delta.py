@@ -213,152 +213,164 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tenso
         reset = None if reset is None else F.pad(reset, (0, pad), value=False)
     kq = _KeysOverQueries.apply(k, q, C, normalise)                          # (n, b, h, 2C, K)
     same, fresh = _document_masks(reset, k.shape[0], kq.shape[0], C)         # (n, b, 1, C, C), (n, b, 1, C)
-    eG, eGe, a, Tb, A = _ChunkFactors.apply(kq, _chunk_major(g.float(), C), _chunk_major(beta.float(), C),
-                                            same, fresh, scale)
-    o, last = _ChunkScan.apply(kq, v.float(), eG, eGe, a, Tb, A, h0, scale, need_last)
+    o, last = _ChunkedGatedDelta.apply(kq, v.float(), _chunk_major(g.float(), C), _chunk_major(beta.float(), C),
+                                       h0, same, fresh, scale, need_last)
     return o[:, :t], (last if need_last else None)
 
 
-class _ChunkFactors(torch.autograd.Function):
-    """The small per-chunk factors, with a hand-written backward. kq (n, b, h, 2C, K) keys over queries; g, beta
-    (n, b, h, C); same, fresh the document masks (or None). With G the within-chunk cumsum of g (restarting at
-    document starts) and M[i, j] = exp(G_i - G_j) for j <= i in one document:
-    eG = exp(G) (decay from the chunk start, 0 once a document started), eGe = exp(G_end - G) (decay to the
-    chunk end), a = exp(G_end) (the whole chunk), Tb = (I + L)^-1 diag(beta) with L = diag(beta) (k k^T * M)
-    strictly lower, and A = (q k^T * M) scale (causal).
+class _ChunkedGatedDelta(torch.autograd.Function):
+    """The chunked form after the l2norm, with a hand-written backward. kq (n, b, h, 2C, K): each chunk's keys
+    over its queries; v (b, t, h, V); g, beta (n, b, h, C); h0 (b, h, K, V) or None; same, fresh the document
+    masks (or None). Returns o (b, t, h, V) and S_n (not computed unless `need_last`).
 
-    Backward: dT = dTb diag(beta); dL = -T^T dT T^T (strictly lower); d(k k^T) = beta dL * M;
-    d(q k^T) = scale dA * M; dM = beta dL * k k^T + scale dA * q k^T; dG from M, eG, eGe and a (each is
-    exp of a difference of G's, so its gradient is itself times the upstream one); dg = the reverse cumsum."""
+    Forward: the small per-chunk factors for all chunks at once (`_factors`), then one loop over chunks for the
+    products with the state (`_scan`); backward: the loop in reverse (`_scan_backward`), then the factors'
+    gradients (`_factors_backward`). The loops read each chunk's block of every row and head while it is in
+    cache (about twice as fast on CPU as products batched over all chunks)."""
 
     @staticmethod
-    def forward(ctx, kq, g, beta, same, fresh, scale):
-        C = kq.shape[-2] // 2
-        P = kq @ kq[..., :C, :].transpose(-1, -2)                            # [k k^T; q k^T] in one product
-        KK, QK = P[..., :C, :], P[..., C:, :]
-        causal = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
-        sc = None if same is None else same * causal
-        G = g.cumsum(-1) if sc is None else (sc @ g[..., None]).squeeze(-1)  # no earlier document's gate
-        M = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-        eG, eGe = G.exp(), (G[..., -1:] - G).exp()
-        a = eG[..., -1]
-        if same is not None:                                                 # a document starts in between:
-            M = M * same
-            eG, eGe, a = eG * fresh, eGe * same[..., -1, :], a * fresh[..., -1]  # the entering state is dropped
-        Ml = M.tril(-1)
-        T = _unit_lower_inverse((beta[..., :, None] * KK) * Ml)
-        ctx.save_for_backward(kq, P, beta, M, T, eG, eGe, a, sc)
-        ctx.scale = scale
-        return eG, eGe, a, T * beta[..., None, :], QK * (M * scale)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, deG, deGe, da, dTb, dA):
-        kq, P, beta, M, T, eG, eGe, a, sc = ctx.saved_tensors
-        C = kq.shape[-2] // 2
-        KK, QK = P[..., :C, :], P[..., C:, :]
-        Tt = T.transpose(-1, -2)
-        dbeta = (dTb * T).sum(-2)                                            # Tb = T diag(beta)
-        dL = (Tt @ (dTb * beta[..., None, :]) @ Tt).neg_().tril_(-1)
-        bdL = dL * beta[..., :, None]
-        dbeta += (dL * KK * M).sum(-1)
-        dP = torch.empty_like(P)
-        torch.mul(bdL, M, out=dP[..., :C, :])
-        torch.mul(dA, M, out=dP[..., C:, :]).mul_(ctx.scale)
-        E = (bdL * KK).add_(dA * QK, alpha=ctx.scale).mul_(M)                # dM * M
-        dG = E.sum(-1) - E.sum(-2)
-        dG += deG * eG
-        t = deGe * eGe
-        dG -= t
-        dG[..., -1] += t.sum(-1) + da * a
-        dg = dG.flip(-1).cumsum(-1).flip(-1) if sc is None else (sc.transpose(-1, -2) @ dG[..., None]).squeeze(-1)
-        dkq = dP @ kq[..., :C, :]
-        dkq[..., :C, :] += dP.transpose(-1, -2) @ kq                        # k is also the right factor
-        return dkq, dg, dbeta, None, None, None
-
-
-class _ChunkScan(torch.autograd.Function):
-    """The sequential part, over chunks c = 0..n-1 from S_0 = h0 (zero if None), with a hand-written backward.
-
-    Per chunk, with k, q the chunk's rows of kq:  z = v - eG * (k S_c);  u = Tb z  (the delta-rule writes);
-    o = A u + scale eG * (q S_c);  S_{c+1} = a S_c + k^T (eGe * u). Shapes: kq (n, b, h, 2C, K); v (b, t, h, V);
-    eG, eGe (n, b, h, C); a (n, b, h); Tb, A (n, b, h, C, C); h0 (b, h, K, V). Returns o (b, t, h, V) and S_n
-    (not computed unless `need_last`).
-
-    Backward, from the last chunk: du = A^T do + eGe * (k dS_{c+1}); dz = Tb^T du (= dv);
-    d[kS; qS] = [-eG * dz; scale eG * do]; d kq = d[kS; qS] S_c^T (+ (eGe * u) dS_{c+1}^T for k);
-    dS_c = a dS_{c+1} + kq^T d[kS; qS]. Each product is made on the state just computed, which stays in cache
-    (twice as fast on CPU as one product batched over all chunks). Products with a zero state are skipped: the
-    first chunk's without h0, the last chunk's state write and its gradient when S_n is not asked for.
-    """
-
-    @staticmethod
-    def forward(ctx, kq, v, eG, eGe, a, Tb, A, h0, scale, need_last):
-        n, b, h, C2, K = kq.shape
-        C = C2 // 2
-        vc = _chunk_major(v, C)
-        o = v.new_empty(v.shape)
-        oc = _chunk_major(o, C)
-        states = kq.new_empty(n + 1, b, h, K, v.shape[-1])
-        kqS = kq.new_empty(n, b, h, C2, v.shape[-1])                         # [k S_c; q S_c]
-        u = kq.new_empty(n, b, h, C, v.shape[-1])
-        states[0] = 0 if h0 is None else h0
-        if h0 is None:
-            kqS[0] = 0
-        for c in range(n):
-            S = states[c]
-            if c or h0 is not None:
-                torch.matmul(kq[c], S, out=kqS[c])
-            z = torch.addcmul(vc[c], kqS[c, :, :, :C], eG[c, ..., None], value=-1.0)
-            torch.matmul(Tb[c], z, out=u[c])
-            oc[c] = torch.matmul(A[c], u[c]).addcmul_(kqS[c, :, :, C:], eG[c, ..., None], value=scale)
-            if c < n - 1 or need_last:
-                ue = u[c] * eGe[c, ..., None]
-                torch.matmul(kq[c, :, :, :C].transpose(-1, -2), ue, out=states[c + 1])
-                states[c + 1].addcmul_(S, a[c, ..., None, None])
-        ctx.save_for_backward(kq, v, eG, eGe, a, Tb, A, states, kqS, u)
+    def forward(ctx, kq, v, g, beta, h0, same, fresh, scale, need_last):
+        f = _factors(kq, g, beta, same, fresh, scale)
+        o, states, kqS, u = _scan(kq, v, f, h0, scale, need_last)
+        ctx.save_for_backward(kq, v, beta, states, kqS, u, *f)
         ctx.scale, ctx.zero_start, ctx.need_last = scale, h0 is None, need_last
-        return o, (states[n].clone() if need_last else states.new_zeros(()))
+        return o, (states[-1].clone() if need_last else states.new_zeros(()))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlast):
-        kq, v, eG, eGe, a, Tb, A, states, kqS, u = ctx.saved_tensors
-        n, C = kq.shape[0], kq.shape[-2] // 2
-        doc, vc = _chunk_major(do if do is not None else torch.zeros_like(v), C), _chunk_major(v, C)
-        dkq, dv = torch.empty_like(kq), torch.empty_like(v)
-        dTb, dA, deG = (torch.empty_like(x) for x in (Tb, A, eG))
-        deGe, da = torch.zeros_like(eGe), torch.zeros_like(a)               # stay 0 where no gradient enters
-        dkqS = torch.empty_like(kqS[0])
-        dS = dlast if ctx.need_last and dlast is not None else None
-        for c in range(n - 1, -1, -1):
-            S, u_c, do_c = states[c], u[c], doc[c]
-            kS, qS = kqS[c, :, :, :C], kqS[c, :, :, C:]
-            du = A[c].transpose(-1, -2) @ do_c
-            if dS is not None:                                               # the chunk's write into S_{c+1}
-                kdS = kq[c, :, :, :C] @ dS
-                du.addcmul_(kdS, eGe[c, ..., None])
-                deGe[c] = (u_c * kdS).sum(-1)
-                da[c] = (dS * S).sum((-1, -2))
-            torch.matmul(do_c, u_c.transpose(-1, -2), out=dA[c])
-            z = torch.addcmul(vc[c], kS, eG[c, ..., None], value=-1.0)
-            torch.matmul(du, z.transpose(-1, -2), out=dTb[c])
-            dz = Tb[c].transpose(-1, -2) @ du
-            _chunk_major(dv, C)[c] = dz
-            torch.mul(dz, eG[c, ..., None], out=dkqS[:, :, :C]).neg_()
-            torch.mul(do_c, eG[c, ..., None], out=dkqS[:, :, C:]).mul_(ctx.scale)
-            deG[c] = (do_c * qS).sum(-1).mul_(ctx.scale).sub_((dz * kS).sum(-1))
-            if c or not ctx.zero_start:
-                torch.matmul(dkqS, S.transpose(-1, -2), out=dkq[c])
-            else:
-                dkq[c].zero_()
-            if dS is not None:
-                dkq[c, :, :, :C] += (u_c * eGe[c, ..., None]) @ dS.transpose(-1, -2)
-            if c or (not ctx.zero_start and ctx.needs_input_grad[7]):
-                dS_c = kq[c].transpose(-1, -2) @ dkqS
-                dS = dS_c if dS is None else dS_c.addcmul_(dS, a[c, ..., None, None])
-        dh0 = dS if not ctx.zero_start and ctx.needs_input_grad[7] else None
-        return dkq, dv, deG, deGe, da, dTb, dA, dh0, None, None
+        kq, v, beta, states, kqS, u, *f = ctx.saved_tensors
+        want_dh0 = not ctx.zero_start and ctx.needs_input_grad[4]
+        dkq, dv, dlog, dTb, dA, dh0 = _scan_backward(ctx, kq, v, f, states, kqS, u, do,
+                                                     dlast if ctx.need_last else None, want_dh0)
+        dg, dbeta = _factors_backward(ctx.scale, kq, beta, f, dlog, dTb, dA, dkq)
+        return dkq, dv, dg, dbeta, dh0, None, None, None, None
+
+
+def _factors(kq: Tensor, g: Tensor, beta: Tensor, same: Tensor | None, fresh: Tensor | None, scale: float):
+    """With G the within-chunk cumsum of g (restarting at document starts) and M[i, j] = exp(G_i - G_j) for
+    j <= i in one document: eG = exp(G) (decay from the chunk start, 0 once a document started), eGe =
+    exp(G_end - G) (decay to the chunk end), a = exp(G_end) (the whole chunk), T = (I + L)^-1 with
+    L = diag(beta) (k k^T * M) strictly lower, Tb = T diag(beta), A = (q k^T * M) scale (causal). Returns
+    (P = [k k^T; q k^T], M, T, sc (the cumsum's mask, or None), eG, eGe, a, Tb, A)."""
+    C = kq.shape[-2] // 2
+    P = kq @ kq[..., :C, :].transpose(-1, -2)                                # [k k^T; q k^T] in one product
+    causal = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
+    sc = None if same is None else same * causal
+    G = g.cumsum(-1) if sc is None else (sc @ g[..., None]).squeeze(-1)      # no earlier document's gate
+    M = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    eG, eGe = G.exp(), (G[..., -1:] - G).exp()
+    a = eG[..., -1]
+    if same is not None:                                                     # a document starts in between:
+        M = M * same
+        eG, eGe, a = eG * fresh, eGe * same[..., -1, :], a * fresh[..., -1]  # the entering state is dropped
+    T = _unit_lower_inverse((beta[..., :, None] * P[..., :C, :]) * M.tril(-1))
+    empty = M.new_zeros(0)                                                   # save_for_backward takes no None
+    return P, M, T, (empty if sc is None else sc), eG, eGe, a, T * beta[..., None, :], P[..., C:, :] * (M * scale)
+
+
+def _factors_backward(scale, kq, beta, f, dlog, dTb, dA, dkq):
+    """Gradients of `_factors` given those of its outputs; dlog = (d eG * eG, d eGe * eGe, d a * a) (each
+    factor is exp of a difference of G's, so that product is all the G gradient needs). Adds the keys' and
+    queries' part into dkq in place; returns (dg, dbeta). dT = dTb diag(beta); dL = -T^T dT T^T (strictly
+    lower); d(k k^T) = beta dL * M; d(q k^T) = scale dA * M; dM * M feeds dG; dg is dG's reverse cumsum."""
+    P, M, T, sc, *_ = f
+    C = kq.shape[-2] // 2
+    KK, QK = P[..., :C, :], P[..., C:, :]
+    Tt = T.transpose(-1, -2)
+    dbeta = (dTb * T).sum(-2)                                                # Tb = T diag(beta)
+    dL = (Tt @ (dTb * beta[..., None, :]) @ Tt).neg_().tril_(-1)
+    bdL = dL * beta[..., :, None]
+    dbeta += (dL * KK * M).sum(-1)
+    dP = torch.empty_like(P)
+    torch.mul(bdL, M, out=dP[..., :C, :])
+    torch.mul(dA, M, out=dP[..., C:, :]).mul_(scale)
+    E = (bdL * KK).add_(dA * QK, alpha=scale).mul_(M)                        # dM * M
+    gG, gGe, ga = dlog
+    dG = (E.sum(-1) - E.sum(-2)).add_(gG).sub_(gGe)
+    dG[..., -1] += gGe.sum(-1) + ga
+    if sc.numel():
+        dg = (sc.transpose(-1, -2) @ dG[..., None]).squeeze(-1)
+    else:
+        dg = dG.flip(-1).cumsum(-1).flip(-1)
+    N, C2, K = dkq.numel() // (2 * C * kq.shape[-1]), 2 * C, kq.shape[-1]
+    kq3, dkq3, dP3 = kq.view(N, C2, K), dkq.view(N, C2, K), dP.view(N, C2, C)
+    dkq3.baddbmm_(dP3, kq3[:, :C])
+    dkq3[:, :C].baddbmm_(dP3.transpose(-1, -2), kq3)                         # k is also the right factor
+    return dg, dbeta
+
+
+def _scan(kq: Tensor, v: Tensor, f, h0: Tensor | None, scale: float, need_last: bool):
+    """Chunks c = 0..n-1 from S_0 = h0 (zero if None), with k, q the chunk's rows of kq:
+    z = v - eG * (k S_c);  u = Tb z (the delta-rule writes);  o = A u + scale eG * (q S_c);
+    S_{c+1} = a S_c + k^T (eGe * u). Products with a zero state are skipped (the first chunk's without h0), and
+    so is the last chunk's state write when S_n is not asked for. Returns (o, states S_0..S_n, kqS = [k S_c;
+    q S_c], u)."""
+    *_, eG, eGe, a, Tb, A = f
+    n, b, h, C2, K = kq.shape
+    C, V = C2 // 2, v.shape[-1]
+    vc = _chunk_major(v, C)
+    o = v.new_empty(v.shape)
+    oc = _chunk_major(o, C)
+    states = kq.new_empty(n + 1, b, h, K, V)
+    kqS = kq.new_empty(n, b, h, C2, V)
+    u = kq.new_empty(n, b, h, C, V)
+    states[0] = 0 if h0 is None else h0
+    if h0 is None:
+        kqS[0] = 0
+    for c in range(n):
+        S = states[c]
+        if c or h0 is not None:
+            torch.matmul(kq[c], S, out=kqS[c])
+        z = torch.addcmul(vc[c], kqS[c, :, :, :C], eG[c, ..., None], value=-1.0)
+        torch.matmul(Tb[c], z, out=u[c])
+        torch.addcmul(A[c] @ u[c], kqS[c, :, :, C:], eG[c, ..., None], value=scale, out=oc[c])
+        if c < n - 1 or need_last:
+            torch.matmul(kq[c, :, :, :C].transpose(-1, -2), u[c] * eGe[c, ..., None], out=states[c + 1])
+            states[c + 1].addcmul_(S, a[c, ..., None, None])
+    return o, states, kqS, u
+
+
+def _scan_backward(ctx, kq, v, f, states, kqS, u, do, dlast, want_dh0):
+    """`_scan` in reverse: du = A^T do + eGe * (k dS_{c+1}); dz = Tb^T du (= dv); d[kS; qS] = [-eG * dz;
+    scale eG * do]; d kq = d[kS; qS] S_c^T (+ (eGe * u) dS_{c+1}^T for k); dS_c = a dS_{c+1} + kq^T d[kS; qS].
+    Returns (dkq, dv, dlog (see `_factors_backward`), dTb, dA, dh0)."""
+    *_, eG, eGe, a, Tb, A = f
+    n, C = kq.shape[0], kq.shape[-2] // 2
+    doc, vc = _chunk_major(do if do is not None else torch.zeros_like(v), C), _chunk_major(v, C)
+    dkq, dv = torch.empty_like(kq), torch.empty_like(v)
+    dTb, dA, gG = torch.empty_like(Tb), torch.empty_like(A), torch.empty_like(eG)
+    gGe, ga = torch.zeros_like(eGe), torch.zeros_like(a)                    # stay 0 where no gradient enters
+    dkqS = torch.empty_like(kqS[0])
+    dS = dlast
+    for c in range(n - 1, -1, -1):
+        S, u_c, do_c = states[c], u[c], doc[c].contiguous()
+        du = A[c].transpose(-1, -2) @ do_c
+        if dS is not None:                                                   # the chunk's write into S_{c+1}
+            kdS = kq[c, :, :, :C] @ dS
+            du.addcmul_(kdS, eGe[c, ..., None])
+            ue = u_c * eGe[c, ..., None]
+            gGe[c] = (ue * kdS).sum(-1)
+            ga[c] = (dS * S).sum((-1, -2)).mul_(a[c])
+        torch.matmul(do_c, u_c.transpose(-1, -2), out=dA[c])
+        z = torch.addcmul(vc[c], kqS[c, :, :, :C], eG[c, ..., None], value=-1.0)
+        torch.matmul(du, z.transpose(-1, -2), out=dTb[c])
+        dz = Tb[c].transpose(-1, -2) @ du
+        _chunk_major(dv, C)[c] = dz
+        torch.mul(dz, eG[c, ..., None], out=dkqS[:, :, :C]).neg_()
+        torch.mul(do_c, eG[c, ..., None], out=dkqS[:, :, C:]).mul_(ctx.scale)
+        r = (dkqS * kqS[c]).sum(-1)                                          # eG * d eG, from both halves
+        torch.add(r[..., :C], r[..., C:], out=gG[c])
+        if c or not ctx.zero_start:
+            torch.matmul(dkqS, S.transpose(-1, -2), out=dkq[c])
+        else:
+            dkq[c].zero_()
+        if dS is not None:
+            dkq[c, :, :, :C] += ue @ dS.transpose(-1, -2)
+        if c or want_dh0:
+            dS_c = kq[c].transpose(-1, -2) @ dkqS
+            dS = dS_c if dS is None else dS_c.addcmul_(dS, a[c, ..., None, None])
+    return dkq, dv, (gG, gGe, ga), dTb, dA, (dS if want_dh0 else None)
 
 
 def _unit_lower_inverse(L: Tensor) -> Tensor:
