@@ -264,9 +264,9 @@ def _factors(kq: Tensor, g: Tensor, beta: Tensor, same: Tensor | None, fresh: Te
     if same is not None:                                                     # a document starts in between:
         M = M * same
         eG, eGe, a = eG * fresh, eGe * same[..., -1, :], a * fresh[..., -1]  # the entering state is dropped
-    T = _unit_lower_inverse((beta[..., :, None] * P[..., :C, :]) * M.tril(-1))
+    T = _unit_lower_inverse((P[..., :C, :] * M).mul_(beta[..., :, None]).tril_(-1))
     empty = M.new_zeros(0)                                                   # save_for_backward takes no None
-    return P, M, T, (empty if sc is None else sc), eG, eGe, a, T * beta[..., None, :], P[..., C:, :] * (M * scale)
+    return P, M, T, (empty if sc is None else sc), eG, eGe, a, T * beta[..., None, :], (P[..., C:, :] * M).mul_(scale)
 
 
 def _factors_backward(scale, kq, beta, f, dlog, dTb, dA, dkq):
@@ -279,13 +279,13 @@ def _factors_backward(scale, kq, beta, f, dlog, dTb, dA, dkq):
     KK, QK = P[..., :C, :], P[..., C:, :]
     Tt = T.transpose(-1, -2)
     dbeta = (dTb * T).sum(-2)                                                # Tb = T diag(beta)
-    dL = (Tt @ (dTb * beta[..., None, :]) @ Tt).neg_().tril_(-1)
-    bdL = dL * beta[..., :, None]
-    dbeta += (dL * KK * M).sum(-1)
+    dLM = (Tt @ (dTb * beta[..., None, :]) @ Tt).neg_().tril_(-1).mul_(M)   # dL * M
     dP = torch.empty_like(P)
-    torch.mul(bdL, M, out=dP[..., :C, :])
+    torch.mul(dLM, beta[..., :, None], out=dP[..., :C, :])
     torch.mul(dA, M, out=dP[..., C:, :]).mul_(scale)
-    E = (bdL * KK).add_(dA * QK, alpha=scale).mul_(M)                        # dM * M
+    E = dLM.mul_(KK)
+    dbeta += E.sum(-1)
+    E.mul_(beta[..., :, None]).addcmul_(dP[..., C:, :], QK)                  # dM * M
     gG, gGe, ga = dlog
     dG = (E.sum(-1) - E.sum(-2)).add_(gG).sub_(gGe)
     dG[..., -1] += gGe.sum(-1) + ga
@@ -296,8 +296,15 @@ def _factors_backward(scale, kq, beta, f, dlog, dTb, dA, dkq):
     N, C2, K = dkq.numel() // (2 * C * kq.shape[-1]), 2 * C, kq.shape[-1]
     kq3, dkq3, dP3 = kq.view(N, C2, K), dkq.view(N, C2, K), dP.view(N, C2, C)
     dkq3.baddbmm_(dP3, kq3[:, :C])
-    dkq3[:, :C].baddbmm_(dP3.transpose(-1, -2), kq3)                         # k is also the right factor
+    dkq3[:, :C] += dP3.transpose(-1, -2) @ kq3   # k is also the right factor (baddbmm_ into a strided view
+    #                                              would run one addmm per matrix)
     return dg, dbeta
+
+
+def _chunks(*xs: Tensor) -> list[tuple[Tensor, ...]]:
+    """(n, b, h, ...) tensors -> per chunk c, their (b h, ...) views (made once: every index in the loop would
+    cost a dispatch). Contiguous (b, h) only."""
+    return list(zip(*(x.flatten(1, 2).unbind(0) for x in xs)))
 
 
 def _scan(kq: Tensor, v: Tensor, f, h0: Tensor | None, scale: float, need_last: bool):
@@ -309,25 +316,27 @@ def _scan(kq: Tensor, v: Tensor, f, h0: Tensor | None, scale: float, need_last: 
     *_, eG, eGe, a, Tb, A = f
     n, b, h, C2, K = kq.shape
     C, V = C2 // 2, v.shape[-1]
-    vc = _chunk_major(v, C)
     o = v.new_empty(v.shape)
-    oc = _chunk_major(o, C)
     states = kq.new_empty(n + 1, b, h, K, V)
     kqS = kq.new_empty(n, b, h, C2, V)
     u = kq.new_empty(n, b, h, C, V)
     states[0] = 0 if h0 is None else h0
     if h0 is None:
         kqS[0] = 0
-    for c in range(n):
-        S = states[c]
+    S = states.flatten(1, 2)
+    per_chunk = _chunks(kq, kq[..., :C, :].transpose(-1, -2), kqS, kqS[..., :C, :], kqS[..., C:, :], u,
+                        eG[..., None], eGe[..., None], a[..., None, None], Tb, A)
+    vs, os = _chunk_major(v, C).unbind(0), _chunk_major(o, C).unbind(0)   # (b, h, C, V) strided views
+    z = kq.new_empty(b * h, C, V)                                            # scratch, one chunk at a time
+    for c, (kq_c, kT, kqS_c, kS, qS, u_c, eG_c, eGe_c, a_c, Tb_c, A_c) in enumerate(per_chunk):
         if c or h0 is not None:
-            torch.matmul(kq[c], S, out=kqS[c])
-        z = torch.addcmul(vc[c], kqS[c, :, :, :C], eG[c, ..., None], value=-1.0)
-        torch.matmul(Tb[c], z, out=u[c])
-        torch.addcmul(A[c] @ u[c], kqS[c, :, :, C:], eG[c, ..., None], value=scale, out=oc[c])
+            torch.bmm(kq_c, S[c], out=kqS_c)
+        torch.addcmul(vs[c], kS.view(b, h, C, V), eG_c.view(b, h, C, 1), value=-1.0, out=z.view(b, h, C, V))
+        torch.bmm(Tb_c, z, out=u_c)
+        torch.addcmul((A_c @ u_c).view(b, h, C, V), qS.view(b, h, C, V), eG_c.view(b, h, C, 1), value=scale,
+                      out=os[c])
         if c < n - 1 or need_last:
-            torch.matmul(kq[c, :, :, :C].transpose(-1, -2), u[c] * eGe[c, ..., None], out=states[c + 1])
-            states[c + 1].addcmul_(S, a[c, ..., None, None])
+            torch.mul(S[c], a_c, out=S[c + 1]).baddbmm_(kT, u_c * eGe_c)
     return o, states, kqS, u
 
 
@@ -336,41 +345,48 @@ def _scan_backward(ctx, kq, v, f, states, kqS, u, do, dlast, want_dh0):
     scale eG * do]; d kq = d[kS; qS] S_c^T (+ (eGe * u) dS_{c+1}^T for k); dS_c = a dS_{c+1} + kq^T d[kS; qS].
     Returns (dkq, dv, dlog (see `_factors_backward`), dTb, dA, dh0)."""
     *_, eG, eGe, a, Tb, A = f
-    n, C = kq.shape[0], kq.shape[-2] // 2
-    doc, vc = _chunk_major(do if do is not None else torch.zeros_like(v), C), _chunk_major(v, C)
+    n, b, h, C2, K = kq.shape
+    C, V, B = C2 // 2, v.shape[-1], b * h
     dkq, dv = torch.empty_like(kq), torch.empty_like(v)
     dTb, dA, gG = torch.empty_like(Tb), torch.empty_like(A), torch.empty_like(eG)
     gGe, ga = torch.zeros_like(eGe), torch.zeros_like(a)                    # stay 0 where no gradient enters
-    dkqS = torch.empty_like(kqS[0])
-    dS = dlast
+    dkqS, z = kq.new_empty(B, C2, V), kq.new_empty(B, C, V)                 # scratch, one chunk at a time
+    dS = None if dlast is None else dlast.reshape(B, K, V).clone()          # then updated in place
+    per_chunk = _chunks(kq, states[:n], kqS, u, eG[..., None], eGe[..., None], a[..., None, None], Tb, A, dkq,
+                        dTb, dA, gG, gGe, ga)
+    dos, vs, dvs = (_chunk_major(x, C).unbind(0) for x in (torch.zeros_like(v) if do is None else do, v, dv))
     for c in range(n - 1, -1, -1):
-        S, u_c, do_c = states[c], u[c], doc[c].contiguous()
-        du = A[c].transpose(-1, -2) @ do_c
+        kq_c, S, kqS_c, u_c, eG_c, eGe_c, a_c, Tb_c, A_c, dkq_c, dTb_c, dA_c, gG_c, gGe_c, ga_c = per_chunk[c]
+        do_c = dos[c].reshape(B, C, V)                                       # a copy: the chunk is strided
+        du = A_c.transpose(-1, -2) @ do_c
         if dS is not None:                                                   # the chunk's write into S_{c+1}
-            kdS = kq[c, :, :, :C] @ dS
-            du.addcmul_(kdS, eGe[c, ..., None])
-            ue = u_c * eGe[c, ..., None]
-            gGe[c] = (ue * kdS).sum(-1)
-            ga[c] = (dS * S).sum((-1, -2)).mul_(a[c])
-        torch.matmul(do_c, u_c.transpose(-1, -2), out=dA[c])
-        z = torch.addcmul(vc[c], kqS[c, :, :, :C], eG[c, ..., None], value=-1.0)
-        torch.matmul(du, z.transpose(-1, -2), out=dTb[c])
-        dz = Tb[c].transpose(-1, -2) @ du
-        _chunk_major(dv, C)[c] = dz
-        torch.mul(dz, eG[c, ..., None], out=dkqS[:, :, :C]).neg_()
-        torch.mul(do_c, eG[c, ..., None], out=dkqS[:, :, C:]).mul_(ctx.scale)
-        r = (dkqS * kqS[c]).sum(-1)                                          # eG * d eG, from both halves
-        torch.add(r[..., :C], r[..., C:], out=gG[c])
+            kdS = kq_c[:, :C] @ dS
+            du.addcmul_(kdS, eGe_c)
+            ue = u_c * eGe_c
+            torch.sum(ue * kdS, -1, out=gGe_c)
+            torch.mul(torch.linalg.vecdot(dS.flatten(1), S.flatten(1)), a_c.flatten(), out=ga_c)
+        torch.bmm(do_c, u_c.transpose(-1, -2), out=dA_c)
+        torch.addcmul(vs[c], kqS_c[:, :C].view(b, h, C, V), eG_c.view(b, h, C, 1), value=-1.0,
+                      out=z.view(b, h, C, V))
+        torch.bmm(du, z.transpose(-1, -2), out=dTb_c)
+        dz = Tb_c.transpose(-1, -2) @ du
+        dvs[c].copy_(dz.view(b, h, C, V))
+        torch.mul(dz, eG_c, out=dkqS[:, :C]).neg_()
+        torch.mul(do_c, eG_c, out=dkqS[:, C:]).mul_(ctx.scale)
+        r = (dkqS * kqS_c).sum(-1)                                           # eG * d eG, from both halves
+        torch.add(r[:, :C], r[:, C:], out=gG_c)
         if c or not ctx.zero_start:
-            torch.matmul(dkqS, S.transpose(-1, -2), out=dkq[c])
+            torch.bmm(dkqS, S.transpose(-1, -2), out=dkq_c)
         else:
-            dkq[c].zero_()
+            dkq_c.zero_()
         if dS is not None:
-            dkq[c, :, :, :C] += ue @ dS.transpose(-1, -2)
+            dkq_c[:, :C] += ue @ dS.transpose(-1, -2)
         if c or want_dh0:
-            dS_c = kq[c].transpose(-1, -2) @ dkqS
-            dS = dS_c if dS is None else dS_c.addcmul_(dS, a[c, ..., None, None])
-    return dkq, dv, (gG, gGe, ga), dTb, dA, (dS if want_dh0 else None)
+            if dS is None:
+                dS = kq_c.transpose(-1, -2) @ dkqS
+            else:
+                dS.mul_(a_c).baddbmm_(kq_c.transpose(-1, -2), dkqS)
+    return dkq, dv, (gG, gGe, ga), dTb, dA, (dS.view(b, h, K, V) if want_dh0 else None)
 
 
 def _unit_lower_inverse(L: Tensor) -> Tensor:
