@@ -295,10 +295,16 @@ def _factors_backward(scale, kq, beta, f, dlog, dTb, dA, dkq):
         dg = dG.flip(-1).cumsum(-1).flip(-1)
     N, C2, K = dkq.numel() // (2 * C * kq.shape[-1]), 2 * C, kq.shape[-1]
     kq3, dkq3, dP3 = kq.view(N, C2, K), dkq.view(N, C2, K), dP.view(N, C2, C)
-    dkq3.baddbmm_(dP3, kq3[:, :C])
+    _add_product(dkq3, dP3, kq3[:, :C])
     dkq3[:, :C] += dP3.transpose(-1, -2) @ kq3   # k is also the right factor (baddbmm_ into a strided view
     #                                              would run one addmm per matrix)
     return dg, dbeta
+
+
+def _add_product(out: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    """out += x @ y in one gemm (batched, contiguous out). Not `out.baddbmm_`: FlopCounterMode does not count
+    in-place baddbmm, and this path's FLOPs are checked with it."""
+    return torch.baddbmm(out, x, y, out=out)
 
 
 def _chunks(*xs: Tensor) -> list[tuple[Tensor, ...]]:
@@ -336,7 +342,7 @@ def _scan(kq: Tensor, v: Tensor, f, h0: Tensor | None, scale: float, need_last: 
         torch.addcmul((A_c @ u_c).view(b, h, C, V), qS.view(b, h, C, V), eG_c.view(b, h, C, 1), value=scale,
                       out=os[c])
         if c < n - 1 or need_last:
-            torch.mul(S[c], a_c, out=S[c + 1]).baddbmm_(kT, u_c * eGe_c)
+            _add_product(torch.mul(S[c], a_c, out=S[c + 1]), kT, u_c * eGe_c)
     return o, states, kqS, u
 
 
@@ -385,7 +391,7 @@ def _scan_backward(ctx, kq, v, f, states, kqS, u, do, dlast, want_dh0):
             if dS is None:
                 dS = kq_c.transpose(-1, -2) @ dkqS
             else:
-                dS.mul_(a_c).baddbmm_(kq_c.transpose(-1, -2), dkqS)
+                _add_product(dS.mul_(a_c), kq_c.transpose(-1, -2), dkqS)
     return dkq, dv, (gG, gGe, ga), dTb, dA, (dS.view(b, h, K, V) if want_dh0 else None)
 
 
