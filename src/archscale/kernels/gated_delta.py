@@ -163,7 +163,7 @@ class _KeysOverQueries(torch.autograd.Function):
         for i, x in enumerate((k, q)):
             xf = x.float()
             if normalise:
-                r = torch.rsqrt((xf * xf).sum(-1, keepdim=True).add_(1e-6))  # (b, t, h, 1)
+                r = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().add_(1e-6).rsqrt_()  # (b, t, h, 1)
                 torch.mul(_chunk_major(xf, C), _chunk_major(r, C), out=y[:, :, :, i])
                 rs.append(r)
             else:
