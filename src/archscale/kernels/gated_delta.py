@@ -204,7 +204,8 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tenso
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"gated_delta_rule: chunk_size must be a power of two (got {chunk})")
     if t == 0:
-        return v.new_zeros(v.shape, dtype=torch.float32), (h0 if h0 is not None else k.new_zeros(b, h, K, V))
+        last = h0 if h0 is not None else k.new_zeros(b, h, K, V, dtype=torch.float32)
+        return v.new_zeros(v.shape, dtype=torch.float32), (last if need_last else None)
     C = min(chunk, 1 << (t - 1).bit_length())                                # a short input: one chunk
     pad = -t % C
     if pad:
