@@ -25,8 +25,8 @@ Implementations (``impl=``):
   next state is S_C = exp(G_C) S_0 + k^T (exp(G_C - G) u). Only those products with S are sequential over
   chunks: one loop over chunks forward and one backward, each on the chunk's block of every row and head while
   it is in cache. Every exp is of a non-positive number, so strong decay underflows harmlessly (to ~0). Forward
-  and backward are written by hand (`_ChunkFactors` for the small (C, C) factors, `_ChunkScan` for the
-  loop), checked against autograd through `"ref"`.
+  and backward are written by hand, in one autograd Function (`_factors` / `_factors_backward` for the small
+  (C, C) factors, `_scan` / `_scan_backward` for the loops), and checked against autograd through `"ref"`.
 - ``"fla"``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (flash-linear-attention, CUDA tensors). With
   `reset` the batch is flattened into one sequence with ``cu_seqlens`` (fla's varlen form); a call with both
   `reset` and `initial_state` falls back to ``"chunked"``.
@@ -253,7 +253,7 @@ def _factors(kq: Tensor, g: Tensor, beta: Tensor, same: Tensor | None, fresh: Te
     j <= i in one document: eG = exp(G) (decay from the chunk start, 0 once a document started), eGe =
     exp(G_end - G) (decay to the chunk end), a = exp(G_end) (the whole chunk), T = (I + L)^-1 with
     L = diag(beta) (k k^T * M) strictly lower, Tb = T diag(beta), A = (q k^T * M) scale (causal). Returns
-    (P = [k k^T; q k^T], M, T, sc (the cumsum's mask, or None), eG, eGe, a, Tb, A)."""
+    (P = [k k^T; q k^T], M, T, sc (the cumsum's mask; empty without documents), eG, eGe, a, Tb, A)."""
     C = kq.shape[-2] // 2
     P = kq @ kq[..., :C, :].transpose(-1, -2)                                # [k k^T; q k^T] in one product
     causal = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
