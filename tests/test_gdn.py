@@ -265,7 +265,7 @@ def test_roles_follow_archscale_group_rule():
 @pytest.mark.parametrize("T,chunk", [(100, 16), (64, 64), (37, 64)])
 def test_flops_match_flop_counter(T, chunk):
     """SPEC.flops (non-elementwise terms) + 2 x the Linear weights == FlopCounterMode's matmul/conv count of
-    one forward, within 5% ("solve", the triangular solve, is left out: the counter does not see it)."""
+    one forward, within 5% (terms named *_solve, triangular solves, are left out: the counter does not see them)."""
     cfg = ModelConfig.from_arch("mambay", 4, ar=8, mixer_options={"gdn": {"head_dim": 8, "num_heads": 2,
                                                                           "chunk_size": chunk}})
     m = GatedDeltaNetMixer(cfg, 0, "gdn")
@@ -275,8 +275,22 @@ def test_flops_match_flop_counter(T, chunk):
     measured = counter.get_total_flops() / T
     terms = SPEC.flops(cfg, "gdn", T)
     linear = sum(p.numel() for n, p in m.named_parameters() if n.endswith("proj.weight"))
-    predicted = 2 * linear + sum(v for k, v in terms.items() if not k.endswith("_elementwise") and k != "solve")
+    predicted = 2 * linear + sum(v for k, v in terms.items() if not k.endswith(("_elementwise", "_solve")))
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured, terms)
+
+
+@pytest.mark.parametrize("T,chunk", [(100, 16), (64, 64), (37, 16)])
+def test_scan_flops_match_flop_counter_on_the_kernel(T, chunk):
+    """The "scan" term alone against the counter on the chunked kernel's forward, at head widths above the chunk
+    (where the state products dominate): within 1%. Dropping any one product's FLOPs fails it."""
+    from archscale.kernels.gated_delta import gated_delta_rule
+    cfg = ModelConfig.from_arch("mambay", 4, ar=8, mixer_options={"gdn": {"head_dim": 32, "num_heads": 2,
+                                                                          "chunk_size": chunk}})
+    H, K, V = 2, 32, 64                                                     # expand_v 2
+    x = [torch.randn(1, T, H, d) for d in (K, K, V)] + [-torch.rand(1, T, H), torch.rand(1, T, H)]
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        gated_delta_rule(*x, impl="chunked", chunk_size=chunk)
+    assert SPEC.flops(cfg, "gdn", T)["scan"] * T == pytest.approx(counter.get_total_flops(), rel=0.01)
 
 
 def test_options_are_checked():

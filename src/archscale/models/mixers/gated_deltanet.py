@@ -224,7 +224,7 @@ def gdn_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float]:
     C = min(chunk_size, next power of two >= seq_len)), per head: in every chunk [k; q] k^T (4 C^2 K), the
     delta-rule writes Tb z and the intra-chunk output A u (2 C^2 V each); the state read [k; q] S and the state
     update k^T u (6 C K V) in all chunks but one (training starts from a zero state and keeps no final one);
-    the unit-triangular solve ("solve", ~C^3 / 3, which FlopCounterMode does not count); plus the depthwise
+    the unit-triangular solve ("scan_solve", ~C^3 / 3, which FlopCounterMode does not count); plus the depthwise
     convs. The decode step costs ~6 K V per head. "scan_elementwise": gates, l2norms, decays and the gated
     norm (not matmuls)."""
     opts = options(config)
@@ -234,7 +234,7 @@ def gdn_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float]:
     n = -(-T // C)
     scan = n * (4 * C * C * K + 4 * C * C * V) + (n - 1) * 6 * C * K * V
     return {"scan": H * scan / T,
-            "solve": H * n * C ** 3 / 3 / T,
+            "scan_solve": H * n * C ** 3 / 3 / T,
             "conv": 2.0 * opts.conv_size * (2 * H * K + value_dim),
             "scan_elementwise": 12.0 * H * (K + V) + 8.0 * value_dim}
 
