@@ -213,7 +213,7 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tenso
         g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
         reset = None if reset is None else F.pad(reset, (0, pad), value=False)
     kq = _KeysOverQueries.apply(k, q, C, normalise)                          # (n, b, h, 2C, K)
-    same, fresh = _document_masks(reset, k.shape[0], kq.shape[0], C)         # (n, b, 1, C, C), (n, b, 1, C)
+    same, fresh = _document_masks(reset, b, kq.shape[0], C)                  # (n, b, 1, C, C), (n, b, 1, C)
     o, last = _ChunkedGatedDelta.apply(kq, v.float(), _chunk_major(g.float(), C), _chunk_major(beta.float(), C),
                                        h0, same, fresh, scale, need_last)
     return o[:, :t], (last if need_last else None)
@@ -296,11 +296,10 @@ def _factors_backward(scale, kq, beta, f, dlog, dTb, dA, dkq):
         dg = (sc.transpose(-1, -2) @ dG[..., None]).squeeze(-1)
     else:
         dg = dG.flip(-1).cumsum(-1).flip(-1)
-    N, C2, K = dkq.numel() // (2 * C * kq.shape[-1]), 2 * C, kq.shape[-1]
-    kq3, dkq3, dP3 = kq.view(N, C2, K), dkq.view(N, C2, K), dP.view(N, C2, C)
+    kq3, dkq3, dP3 = (x.flatten(0, -3) for x in (kq, dkq, dP))                # (n b h, rows, cols)
     _add_product(dkq3, dP3, kq3[:, :C])
-    dkq3[:, :C] += dP3.transpose(-1, -2) @ kq3   # k is also the right factor (baddbmm_ into a strided view
-    #                                              would run one addmm per matrix)
+    # k is also the right factor; not accumulated in the gemm: into a strided view it runs one addmm per matrix
+    dkq3[:, :C] += dP3.transpose(-1, -2) @ kq3
     return dg, dbeta
 
 
