@@ -171,3 +171,19 @@ def test_flash_attn_matches_sdpa():
         got = attend(q, k, v, scale=0.125, window=window)
         want = naive_attention(q.float().cpu(), k.float().cpu(), v.float().cpu(), 0.125, 0, 0, window)
         torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_partial_rope_rotates_only_the_first_rotary_dims():
+    """rotary_dim < head_size (Bamba / Qwen3-Next's partial RoPE): the first rd dims rotate as a rd-wide RoPE
+    would, the others pass through unchanged; rotary_dim = head_size is the full rotation."""
+    from archscale.models.rope import apply_rope, rope_cache
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, 16)
+    cos, sin = rope_cache(5, 8, 10000.0)
+    y = apply_rope(x, cos.unsqueeze(1), sin.unsqueeze(1))
+    torch.testing.assert_close(y[..., 8:], x[..., 8:], rtol=0, atol=0)
+    torch.testing.assert_close(y[..., :8], apply_rope(x[..., :8], cos.unsqueeze(1), sin.unsqueeze(1)))
+    assert not torch.allclose(y[..., :8], x[..., :8])  # the rotated part did move
+    cfg = ModelConfig.from_arch("transformer", 2, ar=16, vocab_size=50, rotary_dim=8)
+    assert GPT(cfg).rope(5, torch.device("cpu"))[0].shape == (5, 4)

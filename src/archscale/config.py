@@ -158,6 +158,7 @@ class ModelConfig:
     block_size: int = 4096  # training context length (RoPE cache is built lazily beyond it)
     rope_base: float = 10000.0
     rope_scaling: float = 1.0  # linear position interpolation factor (positions are divided by it)
+    rotary_dim: int = 0  # RoPE on the first rotary_dim dims of each head (partial RoPE); 0: all head_size dims
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     bias: bool = False  # biases in every Linear of attention and MLP (ArchScale's `_bias`)
@@ -198,6 +199,8 @@ class ModelConfig:
             problems.append(f"n_head={self.n_head} must be a multiple of n_query_groups={self.n_query_groups}")
         if self.head_size % 2:
             problems.append(f"head_size={self.head_size} must be even for RoPE")
+        if self.rotary_dim < 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_size:
+            problems.append(f"rotary_dim={self.rotary_dim} must be even and in 0..head_size={self.head_size}")
         if self.padded_vocab_size < self.vocab_size:
             problems.append("padded_vocab_size must be >= vocab_size")
         if self.init_scheme not in ("sp", "mup"):

@@ -99,7 +99,8 @@ class GPT(nn.Module):
         """fp32 cos/sin for positions 0..T-1, cached and grown on demand (not a buffer: never checkpointed)."""
         if self._rope is None or self._rope[0].shape[0] < T or self._rope[0].device != device:
             n = max(T, self.config.block_size)
-            self._rope = rope_cache(n, self.config.head_size, self.config.rope_base, device=device,
+            dim = self.config.rotary_dim or self.config.head_size
+            self._rope = rope_cache(n, dim, self.config.rope_base, device=device,
                                     linear_scaling=self.config.rope_scaling)
         cos, sin = self._rope
         return cos[:T], sin[:T]

@@ -224,8 +224,8 @@ class StageModule(nn.Module):
         if cfg.nope:
             return None, None
         if self._rope is None or self._rope[0].shape[0] < T or self._rope[0].device != device:
-            self._rope = rope_cache(max(T, cfg.block_size), cfg.head_size, cfg.rope_base, device=device,
-                                    linear_scaling=cfg.rope_scaling)
+            self._rope = rope_cache(max(T, cfg.block_size), cfg.rotary_dim or cfg.head_size, cfg.rope_base,
+                                    device=device, linear_scaling=cfg.rope_scaling)
         cos, sin = self._rope
         return cos[:T].unsqueeze(1), sin[:T].unsqueeze(1)
 
