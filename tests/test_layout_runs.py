@@ -121,12 +121,11 @@ def test_a_swapped_layer_record_is_a_one_line_error(hybrid, tmp_path):
     with torch.no_grad():
         assert (swapped(idx) - good(idx)).abs().max().item() > 1e-3
     rewrite_config(step, swap)
-    with pytest.raises(UserError, match=r"layer 1 is attn.* in config.yaml but was trained as swa\(sliding_window=8") \
-            as e:
+    with pytest.raises(UserError, match=r"layer 1 is attn.* in config.yaml but was trained as swa\(.*sliding_window=8") as e:
         load_run(run)
     assert "\n" not in str(e.value)
     (step / "config.yaml").write_text((step / "config.yaml").read_text() + "# edited\n")  # checksum now wrong
-    with pytest.raises(UserError, match="no complete checkpoint"):
+    with pytest.raises(UserError, match="none of the 1 checkpoints is usable .*config.yaml has"):
         load_run(run)
 
 

@@ -120,8 +120,9 @@ def load_run(path: str | Path, *, device: str | torch.device | None = "cpu", tok
     run_cfg = read_run_config(step_dir, flag)
     model_cfg = model_config_of(run_cfg, flag, Path(path))
     model = GPT(model_cfg)
+    model_cfg = model.config  # every layer's record complete (a run saved before records: resolved by name)
     try:
-        ckpt.load_checkpoint(step_dir, model, None, layers=model.config.layers)
+        ckpt.load_checkpoint(step_dir, model, None, layers=model_cfg.layers)
     except (UserError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # size mismatch, missing keys, unreadable shards (dcp's CheckpointException)

@@ -354,13 +354,14 @@ def check_layers_record(path: Path, layers: list, train_state: dict) -> None:
     into each other without error: the record saved beside the weights must equal the config's. Checkpoints
     written before the record existed have none (nothing to check)."""
     saved = train_state.get(LAYERS_KEY)
-    if saved is None or saved == layers_record(layers):
+    if saved is None or json.loads(saved) == json.loads(layers_record(layers)):
         return
     from archscale.layout import layer_label
 
     trained = json.loads(saved)
     for i, (was, now) in enumerate(zip(trained, layers)):
         if was != now:
+            was = {**{k: was[k] for k in now if k in was}, **was}  # the config's key order, for the message
             raise UserError(f"{path}: its config's layer record disagrees with the layers the weights were trained "
                             f"as: layer {i} is {layer_label(now)} in config.yaml but was trained as "
                             f"{layer_label(was)}; restore the run's own config.yaml")
