@@ -218,7 +218,8 @@ SPEC = register(MixerSpec(
     flops=mamba_flops,
     description="Mamba-1 selective SSM; 'mamba_mem' also exports its pre-gate SSM output as GMU memory (SambaY)",
     tests=("tests/test_selective_scan.py::test_chunked_matches_ref_fp32",
-           "tests/test_mamba.py::test_parity_with_transformers_mamba_mixer"),
+           "tests/test_mamba.py::test_parity_with_transformers_mamba_mixer",
+           "tests/test_mamba.py::test_bcdt_norm_matches_transformers_jamba_mamba_mixer"),
     mup_init_std=lambda config, rel: (math.ceil(config.n_embd / 16) ** -0.5 / math.sqrt(3)
                                       if rel == "dt_proj.weight" else None),
     state=MambaState,
