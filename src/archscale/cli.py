@@ -3,6 +3,7 @@
     archscale prepare ...          tokenize text/jsonl/parquet into LITPKDS shards
     archscale tokenizer train ...  train a byte-level BPE tokenizer
     archscale pretrain ...         train a model (ArchScale-compatible flags; --help lists them all)
+    archscale layout SPEC ...      what a layout spec builds (per-layer table); --check runs the contract on it
     archscale generate ...         sample text from a checkpoint (cached decoding)
     archscale export ...           a Hugging Face folder (--format hf) or one safetensors file
     archscale eval / report ...    evaluate a checkpoint (ppl, Phonebook, RULER NIAH, lm-eval) / plot the results
@@ -44,6 +45,13 @@ def cmd_pretrain(argv: list[str]) -> int:
     cfg, explicit = parse_pretrain(argv)
     pretrain(cfg, explicit)
     return 0
+
+
+@command("layout", "what a layout spec builds: per-layer table, totals, mu-P++ roles; --check runs the contract")
+def cmd_layout(argv: list[str]) -> int:
+    from archscale.layout_cli import main as layout_main
+
+    return layout_main(argv)
 
 
 @command("prepare", "tokenize .txt/.jsonl(.gz)/.parquet into train_*/validation_* LITPKDS shards")

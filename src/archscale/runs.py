@@ -93,6 +93,9 @@ def read_run_config(step_dir: Path, flag: str = "--checkpoint") -> dict:
 
 
 def model_config_of(run_cfg: dict, flag: str, where: Path) -> ModelConfig:
+    if "layers" not in run_cfg["model"] and run_cfg["model"].get("arch"):
+        print(f"note: {where} was saved before runs recorded their layers; rebuilding it from the named layout "
+              f"{run_cfg['model']['arch']!r} of this version", file=sys.stderr)
     try:
         return ModelConfig.from_dict(run_cfg["model"])
     except (TypeError, UserError) as e:
@@ -118,7 +121,7 @@ def load_run(path: str | Path, *, device: str | torch.device | None = "cpu", tok
     model_cfg = model_config_of(run_cfg, flag, Path(path))
     model = GPT(model_cfg)
     try:
-        ckpt.load_checkpoint(step_dir, model, None)
+        ckpt.load_checkpoint(step_dir, model, None, layers=model.config.layers)
     except (UserError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # size mismatch, missing keys, unreadable shards (dcp's CheckpointException)

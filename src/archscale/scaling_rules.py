@@ -42,7 +42,12 @@ def default_tokens(hps: BaseHyperparameters, arch: str, depth: int, ar: int | No
     ratio) and N(d0) the Transformer's (n0_mult), whatever the aspect ratio. The laws are large-depth asymptotes of
     the true counts; the dry run prints their deviation (`n_params_law_deviation`).
     """
-    return hps.t0 * n_mult(arch, ar) * depth**3 / (hps.n0_mult * hps.d0**3)
+    return tokens_for_params(hps, n_mult(arch, ar) * depth**3)
+
+
+def tokens_for_params(hps: BaseHyperparameters, n_params: float) -> float:
+    """T = t0 * N / N(d0), N(d0) = n0_mult * d0^3 (the Transformer's law at the base depth)."""
+    return hps.t0 * n_params / (hps.n0_mult * hps.d0**3)
 
 
 def resolve_batch_and_lr(hps: BaseHyperparameters, micro_bsz: int, ctx_len: int, world_size: int):

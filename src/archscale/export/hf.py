@@ -45,8 +45,10 @@ def llama_incompatibility(cfg: ModelConfig) -> str | None:
     """Why `cfg` cannot be a `LlamaForCausalLM` (None when it can)."""
     if cfg.arch != "transformer" or set(cfg.layer_kinds) != {"attn"}:
         return f"only the Transformer++ ('transformer') is a Llama, not {cfg.arch!r}"
-    checks = {"norm_class": cfg.norm_class != "rmsnorm", "attn_bias": cfg.attn_bias, "nope": cfg.nope,
-              "use_da": cfg.use_da, "rope_scaling": cfg.rope_scaling != 1.0,
+    per_layer = lambda name: any(layer.get(name, getattr(cfg, name)) for layer in cfg.layers)  # noqa: E731
+    checks = {"norm_class": cfg.norm_class != "rmsnorm", "attn_bias": cfg.attn_bias, "nope": per_layer("nope"),
+              "use_da": per_layer("use_da"), "rope_scaling": cfg.rope_scaling != 1.0,
+              "rotary_dim": cfg.rotary_dim not in (0, cfg.head_size),
               "ffn_kind": set(cfg.ffn_kinds) != {"mlp"}}  # a mixture of experts is not a Llama MLP
     odd = [f"{k}={getattr(cfg, k)}" for k, bad in checks.items() if bad]
     return f"Llama has no equivalent of {', '.join(odd)}" if odd else None

@@ -117,8 +117,9 @@ def flops_breakdown(model: nn.Module, seq_len: int) -> dict[str, float]:
             matmul += p.numel() * active_fraction(cfg, name)
     terms = {"matmul": 2.0 * matmul}
     for i in range(cfg.n_layer):
+        layer = cfg.layer_config(i)  # the layer's own options (its window, differential attention, ...)
         for slot, kind in (("mixer", cfg.layer_kinds[i]), ("ffn", cfg.ffn_kinds[i])):
-            for term, value in spec_for(kind, slot).flops(cfg, kind, seq_len).items():
+            for term, value in spec_for(kind, slot).flops(layer, kind, seq_len).items():
                 terms[term] = terms.get(term, 0.0) + value
     return terms
 

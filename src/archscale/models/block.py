@@ -1,6 +1,6 @@
 """Pre-norm block: x += s * mixer(norm_1(x)); x += s * ffn(norm_2(x)). The residual stream stays fp32.
 
-The mixer and the feed-forward are chosen by the layer's kinds (`ModelConfig.layer_kinds` / `ffn_kinds`) from the
+The mixer and the feed-forward are chosen by the layer's record (`ModelConfig.layers`: kinds and options) from the
 registry in `models/mixers/`; every block has its own feed-forward (SwiGLU), whatever its mixer.
 """
 
@@ -21,10 +21,11 @@ class Block(nn.Module):
         self.kind = config.layer_kinds[layer_idx]
         self.ffn_kind = config.ffn_kinds[layer_idx]
         self.residual_scale = config.residual_scale
+        layer = config.layer_config(layer_idx)  # this layer's options (window, NoPE, ...) as config fields
         self.norm_1 = make_norm(config.norm_class, config.n_embd, config.norm_eps)
-        self.mixer = spec_for(self.kind).build(config, layer_idx, self.kind)
+        self.mixer = spec_for(self.kind).build(layer, layer_idx, self.kind)
         self.norm_2 = make_norm(config.norm_class, config.n_embd, config.norm_eps)
-        self.mlp = spec_for(self.ffn_kind, "ffn").build(config, layer_idx, self.ffn_kind)
+        self.mlp = spec_for(self.ffn_kind, "ffn").build(layer, layer_idx, self.ffn_kind)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         s = self.residual_scale

@@ -15,6 +15,7 @@ import archscale.models.accounting as accounting
 from archscale.models.block import Block
 from archscale.models.cache import InferenceCache
 from archscale.models.generation import generate
+from archscale.models.layout_rules import complete
 from archscale.models.mixers import ForwardContext
 from archscale.models.norm import make_norm
 from archscale.models.rope import rope_cache
@@ -23,7 +24,7 @@ from archscale.models.rope import rope_cache
 class GPT(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.config = config
+        self.config = config = complete(config)  # every layer's options filled in, the layout checked
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.ln_f = make_norm(config.norm_class, config.n_embd, config.norm_eps)
@@ -60,7 +61,7 @@ class GPT(nn.Module):
         if cache is not None and (doc_ids is not None or position_ids is not None):
             raise ValueError("doc_ids / position_ids are for training-style forwards, not cached decoding")
         cos = sin = None
-        if not self.config.nope:
+        if self.config.uses_rope:
             if position_ids is not None:
                 cos, sin = self.rope(T, idx.device)  # positions inside documents are < T (no host sync)
                 cos, sin = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # (B, T, 1, hd/2)

@@ -190,7 +190,7 @@ def decode_step(batch: BatchState, tokens: torch.Tensor) -> torch.Tensor:
     pos = torch.tensor(batch.lengths, device=tokens.device)
     n_keys = max(batch.lengths) + 1
     cos = sin = None
-    if not cfg.nope:
+    if cfg.uses_rope:
         cos, sin = model.rope(n_keys, tokens.device)
         cos, sin = cos[pos][:, None, None, :], sin[pos][:, None, None, :]  # (B, 1, 1, hd/2)
     cache = _StackedCache(batch, n_keys)

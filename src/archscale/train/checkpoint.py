@@ -319,8 +319,9 @@ def read_train_state(path: Path, rank: int = 0, warn: Callable[[str], None] | No
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     rank: int = 0, engine: Any = None, warn: Callable[[str], None] = print,
-                    ds_universal: Path | None = None) -> dict[str, Any]:
-    """Verify, then load model (+ optimizer) state in place; return this rank's train_state dict.
+                    ds_universal: Path | None = None, layers: list | None = None) -> dict[str, Any]:
+    """Verify, then load model (+ optimizer) state in place; return this rank's train_state dict. `layers`: the
+    layer record the caller built the model from, checked against the one saved with the weights.
 
     `optimizer=None` loads the weights only, from either format, into a plain (unsharded) model. Under DeepSpeed
     pass the `engine` (it loads its own checkpoints). When the world size changed, ranks without a file of their
@@ -329,6 +330,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     reason = verify_checkpoint(path)
     if reason is not None:
         raise UserError(f"{path}: not a usable checkpoint ({reason}); pass a checkpoints/step-* dir")
+    if layers is not None:
+        check_layers_record(path, layers, read_train_state(path, 0, warn))
     try:
         _load_states(path, model, optimizer, engine, ds_universal)
     except BaseException as e:  # noqa: BLE001 - DCP wraps a rank's error in CheckpointException (a BaseException)
@@ -337,6 +340,32 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
             raise
         raise UserError(f"{path}: not a usable checkpoint (refused to unpickle it: {refused})") from None
     return read_train_state(path, rank, warn)
+
+
+LAYERS_KEY = "model_layers"  # the train state's copy of the layer record the weights were trained with
+
+
+def layers_record(layers: list) -> str:
+    return json.dumps(layers, sort_keys=True)
+
+
+def check_layers_record(path: Path, layers: list, train_state: dict) -> None:
+    """Kinds with the same tensors (attention and sliding-window attention, GMU and nGMU at equal widths) load
+    into each other without error: the record saved beside the weights must equal the config's. Checkpoints
+    written before the record existed have none (nothing to check)."""
+    saved = train_state.get(LAYERS_KEY)
+    if saved is None or saved == layers_record(layers):
+        return
+    from archscale.layout import layer_label
+
+    trained = json.loads(saved)
+    for i, (was, now) in enumerate(zip(trained, layers)):
+        if was != now:
+            raise UserError(f"{path}: its config's layer record disagrees with the layers the weights were trained "
+                            f"as: layer {i} is {layer_label(now)} in config.yaml but was trained as "
+                            f"{layer_label(was)}; restore the run's own config.yaml")
+    raise UserError(f"{path}: its config records {len(layers)} layers but the weights were trained with "
+                    f"{len(trained)}")
 
 
 def _unpickling_error(e: BaseException) -> str | None:

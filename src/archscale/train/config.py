@@ -24,7 +24,10 @@ class PretrainConfig:
     train_data_dir: str = "data/train"  # train*.bin shards (archscale prepare) | synthetic[:markov|:uniform]
     val_data_dir: Optional[str] = None  # folder of validation*.bin shards (default: train_data_dir)
     data_mixture: Optional[str] = None  # JSON file {"prefix": weight}; default {"train": 1.0}
-    train_model: str = "transformer"  # architecture
+    train_model: str = "transformer"  # architecture: a shipped layout's name (archscale layout --list)
+    # a layout spec instead of --train_model: a YAML/JSON file, a shipped name or a one-line string such as
+    # "[mamba2, mamba2, mamba2, swa] * L; sliding_window=512" (docs/LAYOUTS.md)
+    layout: Optional[str] = None
     depth: int = 8  # number of blocks; width, heads and the token budget follow from it (ArchScale's --depth)
     ctx_len: int = 4096  # training sequence length in tokens
     max_tokens: Optional[float] = None  # token budget; default t0 * N(d) / N(d0)

@@ -221,7 +221,7 @@ class StageModule(nn.Module):
     def rope(self, T: int, device: torch.device):
         """GPT.rope's tables for positions 0..T-1 (same call, same values), shaped as GPT.forward shapes them."""
         cfg = self.config
-        if cfg.nope:
+        if not cfg.uses_rope:
             return None, None
         if self._rope is None or self._rope[0].shape[0] < T or self._rope[0].device != device:
             self._rope = rope_cache(max(T, cfg.block_size), cfg.rotary_dim or cfg.head_size, cfg.rope_base,

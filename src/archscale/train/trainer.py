@@ -26,12 +26,13 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from archscale.config import ModelConfig, arch_preset, n_mult
+from archscale.config import ModelConfig, arch_preset, resolve_layout
+from archscale.layout import LayoutSpec, layer_label
 from archscale.data.loader import GlobalOrderLoader, load_mixture, read_manifest, validation_batches
 from archscale.data.synthetic import SyntheticLoader, synthetic_kind, synthetic_validation_batches
 from archscale.errors import NonFiniteError, UserError
 from archscale.models.model import GPT
-from archscale.scaling_rules import RoleRule, default_tokens, resolve_batch_and_lr, resolve_parametrization
+from archscale.scaling_rules import RoleRule, resolve_batch_and_lr, resolve_parametrization, tokens_for_params
 from archscale.train import checkpoint as ckpt
 from archscale.train.config import PretrainConfig, apply_train_name, moe_options, rope_scaling_factor, validate
 from archscale.train.curriculum import cut_batch, parse_curriculum
@@ -75,6 +76,8 @@ class Plan:
     lr_mult_vector: float = 1.0
     wd_matrix: float = 0.1
     wd_vector: float = 0.1
+    layout: str = ""  # the layout spec's name (its layers are in the model config's record)
+    params_law: str = ""  # where the token budget's N(d) came from: ArchScale's hand-entered law or the count
 
     def group_rules(self) -> tuple[RoleRule, RoleRule]:
         """(matrix, vector) optimizer rules."""
@@ -90,7 +93,8 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
         warn(f"warning: --train_name {cfg.train_name!r}: unrecognised token(s) {unknown} carry no setting")
     validate(cfg)
     manifest = read_manifest(cfg.train_data_dir)
-    preset = arch_preset(cfg.train_model)  # e.g. Phi4-mini-Flash's 200,064 tied vocabulary
+    spec = resolve_layout(cfg.layout or cfg.train_model)  # --layout FILE_OR_STRING, else the named spec
+    preset = arch_preset(spec)  # e.g. Phi4-mini-Flash's 200,064 tied vocabulary
     vocab = cfg.vocab_size or preset.get("vocab_size") or (manifest or {}).get("vocab_size") or default_vocab
     tie = cfg.tie_embeddings or ("tie_embeddings" not in explicit and preset.get("tie_embeddings", False))
     if not vocab and synthetic_kind(cfg.train_data_dir):
@@ -103,20 +107,22 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
         raise UserError(f"{cfg.train_data_dir}/manifest.json: data vocab {manifest['vocab_size']} > --vocab_size "
                         f"{vocab}; the model cannot embed those token ids (drop --vocab_size or raise it)")
     hps = cfg.base_hps
-    sizes = ModelConfig.from_arch(cfg.train_model, cfg.depth, ar=cfg.ar, vocab_size=int(vocab),
+    sizes = ModelConfig.from_arch(spec, cfg.depth, ar=cfg.ar, vocab_size=int(vocab),
                                   block_size=cfg.ctx_len, rope_base=cfg.rope_base, tie_embeddings=tie,
                                   rope_scaling=rope_scaling_factor(cfg.rope_scaling))
     if moe_options(cfg) is not None:  # --moe: every plain feed-forward becomes a mixture of experts
         sizes = sizes.replace(ffn_kind="moe", mixer_options={**sizes.mixer_options, "moe": moe_options(cfg)})
     rules = resolve_parametrization(cfg.parametrization, hps, cfg.depth, sizes.n_layer, sizes.head_size, tie=tie)
-    model_cfg = sizes.replace(**rules.model_overrides())
+    with torch.device("meta"):
+        meta = GPT(sizes.replace(**rules.model_overrides()))  # checks the layout (one line naming the layer)
+    model_cfg = meta.config  # with every layer's record complete
     # --pp: the ranks of one pipeline share their batches; the data-parallel world is the pipelines
     data_world = world_size // cfg.pp if world_size % cfg.pp == 0 else world_size
     batch, accum, lr = resolve_batch_and_lr(hps, cfg.micro_bsz, cfg.ctx_len, data_world)
     check_pp(cfg, model_cfg.n_layer, world_size, accum, model_cfg.tie_embeddings)
     lr = lr * rules.global_lr_mult
-    total = int(cfg.max_tokens if cfg.max_tokens is not None
-                else default_tokens(hps, cfg.train_model, cfg.depth, ar=cfg.ar))
+    law_params, law_source = budget_params(spec, cfg, meta)
+    total = int(cfg.max_tokens if cfg.max_tokens is not None else tokens_for_params(hps, law_params))
     max_steps = total // batch
     if max_steps < 1:
         raise UserError(f"--max_tokens {total} is less than one optimizer batch ({batch} tokens); raise it or "
@@ -127,19 +133,28 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
         warn(f"warning: --base_hps.warmup_tokens0={hps.warmup_tokens0:g} is over half the run ({total:g} tokens); "
              f"warming up for {new} of {max_steps} steps (10%) instead. Set --base_hps.warmup_tokens0 to choose.")
         warmup = new
-    run_name = f"{cfg.train_name}_{cfg.train_model}_d{cfg.depth}_ctx{cfg.ctx_len}"
+    run_name = f"{cfg.train_name}_{spec.name}_d{cfg.depth}_ctx{cfg.ctx_len}"
     if cfg.moe:  # keeps an MoE run's default run dir apart from its dense twin's
         run_name += "_moe" + str(cfg.moe).replace(":", "k") + (f"s{cfg.moe_shared}" if cfg.moe_shared else "")
-    with torch.device("meta"):
-        meta = GPT(model_cfg)
     plan = Plan(run_name=run_name, out_dir=cfg.out_dir or str(Path("runs") / run_name), vocab_size=int(vocab),
                 batch_tokens=batch, grad_accum=accum, lr=lr, min_lr=hps.min_lr0, total_tokens=total,
                 max_steps=max_steps, warmup_steps=warmup, non_embedding_params=meta.num_params(),
                 flops_per_token=meta.flops_per_token(cfg.ctx_len), train_name_settings=applied,
                 train_name_unknown=unknown, parametrization=rules.parametrization,
                 lr_mult_matrix=rules.matrix.lr_mult, lr_mult_vector=rules.vector.lr_mult,
-                wd_matrix=rules.matrix.weight_decay, wd_vector=rules.vector.weight_decay)
+                wd_matrix=rules.matrix.weight_decay, wd_vector=rules.vector.weight_decay, layout=spec.name,
+                params_law=law_source)
     return plan, model_cfg
+
+
+def budget_params(spec: LayoutSpec, cfg: PretrainConfig, meta: GPT) -> tuple[float, str]:
+    """The token budget's N(d): ArchScale's hand-entered law where the spec keeps one (so plans equal its own),
+    else the model's active non-embedding parameters, counted."""
+    if spec.law is not None:
+        a, b = spec.law
+        return spec.n_mult(spec.ar if cfg.ar is None else cfg.ar) * cfg.depth**3, \
+            f"ArchScale's law ({a:g} ar^2 + {b:g} ar) d^3"
+    return float(meta.num_params(active=True)), "counted (active non-embedding parameters)"
 
 
 DRY_RUN_DEFAULT_VOCAB = 32000
@@ -152,7 +167,7 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
     plan, m = make_plan(cfg, set(explicit), world_size=world_size, warn=warn, default_vocab=DRY_RUN_DEFAULT_VOCAB)
     with torch.device("meta"):
         meta = GPT(m)
-    law = n_mult(cfg.train_model, cfg.ar) * cfg.depth**3  # the token budget's N(d); see the deviation below
+    law, _ = budget_params(resolve_layout(cfg.layout or cfg.train_model), cfg, meta)  # the budget's N(d)
     return {
         "run_name": plan.run_name, "out_dir": plan.out_dir, "model": m.name, "parametrization": plan.parametrization,
         "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head, "n_kv_head": m.n_query_groups,
@@ -173,10 +188,17 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
         "train_name_settings": plan.train_name_settings,
         # the law against the active parameters (all of them for a dense model; k of E experts for an MoE)
         "n_params_law": law, "n_params_law_deviation": law / meta.num_params(active=True) - 1.0,
+        "n_params_law_source": plan.params_law, "layout": layout_summary(m),
         "grad_compression": parse_grad_compression(cfg.grad_compression).describe(),
         "notes": dry_run_notes(cfg),
         **({"pipeline": pipeline_summary(cfg, m.n_layer, plan.grad_accum)} if cfg.pp > 1 else {}),
     }
+
+
+def layout_summary(m: ModelConfig) -> dict:
+    """The layout as the dry run shows it: the layout's name and source, one compact line per layer."""
+    return {"name": m.arch, "source": m.layout.get("source", ""), "cross_decoder_start": m.cross_decoder_start,
+            "layers": [layer_label(layer) for layer in m.layers]}
 
 
 def dry_run_notes(cfg: PretrainConfig) -> list[str]:
@@ -289,7 +311,17 @@ def varlen_eos_id(cfg: PretrainConfig) -> Optional[int]:
 
 # Model fields a resumed run may change: the name follows the others, and the context length and RoPE settings
 # only change the positions seen (long-context continuation).
-RESUMABLE_MODEL_CHANGES = frozenset({"name", "block_size", "rope_base", "rope_scaling"})
+RESUMABLE_MODEL_CHANGES = frozenset({"name", "block_size", "rope_base", "rope_scaling", "layout"})
+
+
+def _model_difference(key: str, old, new) -> str:
+    """One changed model field as the resume error names it (a layer record by its first differing layer)."""
+    if key == "layers" and isinstance(old, list):
+        for i, (a, b) in enumerate(zip(old, new)):
+            if a != b:
+                return f"layer {i} {layer_label(a)} -> {layer_label(b)}"
+        return f"{len(old)} layers -> {len(new)}"
+    return f"{key} {old} -> {new}"
 
 
 def check_resume_fits(step_dir: Path, cfg: PretrainConfig, plan: Plan, model_cfg: ModelConfig,
@@ -303,7 +335,7 @@ def check_resume_fits(step_dir: Path, cfg: PretrainConfig, plan: Plan, model_cfg
     if not isinstance(saved, dict):
         return
     old_model, new_model = saved.get("model") or {}, model_cfg.to_dict()
-    diff = [f"{k} {old_model[k]} -> {new_model[k]}" for k in new_model
+    diff = [_model_difference(k, old_model[k], new_model[k]) for k in new_model
             if k in old_model and k not in RESUMABLE_MODEL_CHANGES and old_model[k] != new_model[k]]
     if diff:
         raise UserError(f"--resume {step_dir}: the checkpoint's model differs from this run's: {', '.join(diff)}; "
@@ -381,8 +413,9 @@ class RunCheckpoints:
             return universal
         return convert
 
-    def load(self, step_dir: Path, strategy: Strategy) -> dict:
-        """Model and optimizer state into `strategy`'s objects; returns this rank's train state."""
+    def load(self, step_dir: Path, strategy: Strategy, layers: list | None = None) -> dict:
+        """Model and optimizer state into `strategy`'s objects; returns this rank's train state. `layers`: the
+        model's layer record, checked against the one saved with the weights."""
         module, optimizer, engine = strategy.state_dict_target()
         if (getattr(strategy, "flat_optimizer_state", False) and not ckpt.is_deepspeed_checkpoint(step_dir)
                 and ckpt.verify_checkpoint(step_dir) is None and not ckpt.optim_keyed_by_name(step_dir)):
@@ -390,7 +423,7 @@ class RunCheckpoints:
                             "resumes without --pp only (a checkpoint saved with --pp loads with or without it)")
         universal = getattr(strategy, "universal", None)
         state = ckpt.load_checkpoint(step_dir, module, optimizer, rank=self.env.rank, engine=engine, warn=self.log,
-                                     ds_universal=universal)
+                                     ds_universal=universal, layers=layers)
         strategy.after_load(self.env)
         return state
 
@@ -601,7 +634,7 @@ class Trainer:
 
     def _resume(self) -> TrainState:
         resume_from = self.resume_from
-        state = self.checkpoints.load(resume_from, self.strategy)
+        state = self.checkpoints.load(resume_from, self.strategy, self.model_cfg.layers)
         self.loader.load_state_dict(state["loader"])
         self.checkpoints.set_rng_state(state["rng"])
         if self.strategy.scaler is not None and state.get("grad_scaler"):
@@ -685,7 +718,8 @@ class Trainer:
                        "rng": self.checkpoints.rng_state(), "world_size": self.env.world_size,
                        "strategy": self.env.strategy, "batch_tokens": self.plan.batch_tokens,
                        "grad_scaler": self.strategy.scaler.state_dict() if self.strategy.scaler is not None else None,
-                       "grad_compression": self.strategy.comm.state_dict() if self.strategy.comm is not None else None}
+                       "grad_compression": self.strategy.comm.state_dict() if self.strategy.comm is not None else None,
+                       ckpt.LAYERS_KEY: ckpt.layers_record(self.model_cfg.layers)}
         self.last_checkpoint = self.checkpoints.save(state.step, self.strategy, train_state, self.config_yaml,
                                                      self.cfg.keep_last)
         return self.last_checkpoint

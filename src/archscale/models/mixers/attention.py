@@ -19,7 +19,8 @@ from torch import nn
 from archscale.config import ModelConfig
 from archscale.models.attention_ops import attend, flash_attn_func
 from archscale.models.cache import KVCache, WindowKVCache
-from archscale.models.mixers.base import BIAS, MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, register
+from archscale.models.mixers.base import (BIAS, MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, LayerOption,
+                                         MixerSpec, register)
 from archscale.models.mixers.diff_attention import DifferentialAttention
 from archscale.models.rope import apply_rope
 
@@ -108,6 +109,32 @@ def attention_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, f
     return {"attention": 4 * config.n_head * config.head_size * t_eff * (1.5 if config.use_da else 1.0)}
 
 
+def _window_problem(value, config: ModelConfig):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return (f"a sliding window is a whole number of tokens >= 1 (got {value!r}): give the layer swa(window=N) or "
+                "the spec a sliding_window")
+    return None
+
+
+def _da_problem(value, config: ModelConfig):
+    if not isinstance(value, bool):
+        return f"da is true or false (got {value!r})"
+    if value and (config.n_head % 2 or config.n_query_groups % 2):
+        return (f"differential attention pairs heads: n_head={config.n_head} and n_query_groups="
+                f"{config.n_query_groups} must both be even")
+    return None
+
+
+def _bool_problem(value, config: ModelConfig):
+    return None if isinstance(value, bool) else f"expected true or false (got {value!r})"
+
+
+LAYER_OPTIONS = (
+    LayerOption("sliding_window", ("swa",), ("window",), _window_problem),
+    LayerOption("use_da", KINDS, ("da",), _da_problem),
+    LayerOption("nope", KINDS, (), _bool_problem),
+)
+
 SPEC = register(MixerSpec(
     name="attention",
     kinds=KINDS,
@@ -125,4 +152,8 @@ SPEC = register(MixerSpec(
     kernels=(KernelRef("flash_attn_func", lambda: flash_attn_func is not None and torch.cuda.is_available(),
                        "archscale.models.attention_ops.attention_mask + SDPA",
                        "tests/test_attention.py::test_flash_attn_matches_sdpa"),),
+    layer_options=LAYER_OPTIONS,
+    provides=(("kv", ("shared_kv",)), ("kv_mem", ("shared_kv",))),
+    needs=(("cross", ("shared_kv",)),),
+    stateless_kinds=("cross",),
 ))

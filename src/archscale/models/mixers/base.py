@@ -15,7 +15,13 @@ A mixer module builds `nn.Module`s that map `(x, ctx) -> y` (x, y: (B, T, n_embd
 - `memory_width(config, kind)`: for kinds that export GMU memory, the memory's width (else 0);
 - `kernels`: optional fast kernels, each with its pure-PyTorch reference and the test that compares them;
 - `active(config, rel)`: the fraction of a parameter one token uses (a mixture of experts: top_k / n_experts);
-- `tests`: the reference tests ("tests/file.py::test_name") that check it against a naive implementation.
+- `tests`: the reference tests ("tests/file.py::test_name") that check it against a naive implementation;
+- `layer_options`: the per-layer options a layout may give its kinds (`swa(window=512)`, `attn(da)`): each sets a
+  ModelConfig field for that layer only (`ModelConfig.layer_config`);
+- `provides` / `needs`: what a kind hands to later layers in the same forward ("shared_kv") or reads from an
+  earlier one ("shared_kv", "memory"; exporting GMU memory is declared by `memory_width`), checked per layout;
+- `stateless_kinds`: kinds that keep no decode state although the mixer has a `state` type (YOCO's cross-decoder
+  may hold only stateless layers).
 
 The feed-forward of a block is a component of the same kind (slot "ffn"); a mixer has slot "mixer".
 """
@@ -68,6 +74,17 @@ class KernelRef:
     test: str
 
 
+@dataclass(frozen=True)
+class LayerOption:
+    """A per-layer option: sets ModelConfig `field` for the layers of `kinds` that give it (under its field name
+    or an alias); `check(value, config)` returns what is wrong with a value, or None."""
+
+    field: str
+    kinds: tuple[str, ...]
+    aliases: tuple[str, ...] = ()
+    check: Callable[[Any, ModelConfig], Optional[str]] = lambda value, config: None
+
+
 def no_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float]:
     return {}
 
@@ -96,6 +113,16 @@ class MixerSpec:
     # fraction of a parameter (by relative name) that one token uses: 1 for dense layers, top_k / n_experts for a
     # mixture of experts' expert weights; FLOPs per token and the dry run's active parameters read it
     active: Callable[[ModelConfig, str], float] = lambda config, rel: 1.0
+    layer_options: tuple[LayerOption, ...] = ()
+    provides: tuple[tuple[str, tuple[str, ...]], ...] = ()  # ((kind, (resource, ...)), ...)
+    needs: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    stateless_kinds: tuple[str, ...] = ()
+
+    def keeps_state(self, kind: str) -> bool:
+        return self.state is not None and kind not in self.stateless_kinds
+
+    def resources(self, table: tuple, kind: str) -> tuple[str, ...]:
+        return dict(table).get(kind, ())
 
     def role_of(self, rel_name: str) -> Optional[Role]:
         for pattern, role in self.roles:

@@ -57,4 +57,5 @@ SPEC = register(MixerSpec(
                 "RMSNorm after the gate (for Mamba-2 / Gated DeltaNet memories)",
     tests=("tests/test_attention.py::test_gmu_matches_formula", "tests/test_attention.py::test_ngmu_matches_formula"),
     varlen="exact: per position (the memory it reads is already document-masked)",
+    needs=(("gmu", ("memory",)), ("ngmu", ("memory",))),
 ))
