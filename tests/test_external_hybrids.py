@@ -22,7 +22,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from archscale.config import ARCHITECTURES, ArchSpec, ModelConfig  # noqa: E402
+from archscale.config import LAYOUTS, ModelConfig  # noqa: E402
 from archscale.models import GPT  # noqa: E402
 
 TOL = 1e-4
@@ -120,43 +120,50 @@ def max_diff(ours: GPT, hf: torch.nn.Module, idx: torch.Tensor) -> float:
     return (mine - theirs).abs().max().item()
 
 
-def build_ours(monkeypatch, name: str, layout, ffn_layout, **cfg) -> GPT:
-    """TEMPORARY until the layout language lands: a test-local ArchSpec."""
-    monkeypatch.setitem(ARCHITECTURES, name, ArchSpec(16, name, layout, lambda ar: 0.0, ffn_layout=ffn_layout))
-    config = ModelConfig(name=name, arch=name, **cfg)
+def build_ours(name: str, depth: int, **sizes) -> GPT:
+    """Our model from the spec shipped in archscale/layouts/ (`--layout NAME`), at the test's small sizes."""
+    assert LAYOUTS[name].source == f"{name}.yaml"
     torch.manual_seed(0)
-    return GPT(config).eval()
+    return GPT(ModelConfig.from_layout(name, depth, vocab_size=VOCAB, **sizes)).eval()
 
 
 # ------------------------------------------------------------------------------------------------- Jamba
-JAMBA = dict(n_layer=8, n_embd=64, n_head=4, n_query_groups=2, head_size=16, intermediate_size=96, n_experts=4,
-             d_state=8)
+# The small sizes both sides get; everything else is transformers' JambaConfig default (= Jamba-v0.1: 16 experts,
+# top 2, attention at index 4 of every 8, MoE on odd layers, d_state 16, eps 1e-6) and, on our side, the spec's.
+JAMBA_SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                   num_hidden_layers=8)
 
 
-def jamba_hf(seed: int = 0, **overrides):
-    c = JAMBA
-    config = transformers.JambaConfig(
-        vocab_size=VOCAB, hidden_size=c["n_embd"], intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["n_layer"], num_attention_heads=c["n_head"], num_key_value_heads=c["n_query_groups"],
-        num_experts=c["n_experts"], num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
-        attn_layer_period=8, attn_layer_offset=4, mamba_d_state=c["d_state"], mamba_d_conv=4, mamba_expand=2,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="eager", **overrides)
+def jamba_hf(seed: int = 0):
+    config = transformers.JambaConfig(vocab_size=VOCAB, attn_implementation="eager", **JAMBA_SIZES)
     torch.manual_seed(seed)
     hf = transformers.JambaForCausalLM(config).eval()
     redraw(hf, seed)
     return hf
 
 
-def jamba_ours(monkeypatch, **mamba):
-    c = JAMBA
-    return build_ours(
-        monkeypatch, "jambatest", lambda L: ["attn" if i % 8 == 4 else "mamba" for i in range(L)],
-        lambda L: ["moe" if i % 2 == 1 else "mlp" for i in range(L)],
-        n_layer=c["n_layer"], n_embd=c["n_embd"], n_head=c["n_head"], n_query_groups=c["n_query_groups"],
-        head_size=c["head_size"], intermediate_size=c["intermediate_size"], vocab_size=VOCAB, norm_eps=1e-6,
-        nope=True, mixer_options={"mamba": {"d_state": c["d_state"], "bcdt_norm": True, **mamba},
-                                  "moe": {"n_experts": c["n_experts"], "top_k": 2, "routing": "softmax_then_topk",
-                                          "fine_grained": False}})
+def jamba_ours(**overrides):
+    c = JAMBA_SIZES
+    return build_ours("jamba", c["num_hidden_layers"], n_embd=c["hidden_size"], n_head=c["num_attention_heads"],
+                      n_query_groups=c["num_key_value_heads"], head_size=c["hidden_size"] // c["num_attention_heads"],
+                      intermediate_size=c["intermediate_size"], **overrides)
+
+
+def test_jamba_spec_at_depth_32_is_jamba_v01():
+    """The shipped spec at depth 32 has the sizes and options of transformers' default JambaConfig (Jamba-v0.1)."""
+    hf, cfg = transformers.JambaConfig(), ModelConfig.from_layout("jamba", 32)
+    mamba, moe = cfg.mixer_options["mamba"], cfg.mixer_options["moe"]
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_query_groups, cfg.head_size, cfg.intermediate_size) == (
+        hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
+        hf.hidden_size // hf.num_attention_heads, hf.intermediate_size)
+    assert (cfg.norm_eps, cfg.tie_embeddings) == (hf.rms_norm_eps, hf.tie_word_embeddings)
+    assert (mamba["d_state"], mamba["d_conv"], mamba["expand"]) == (hf.mamba_d_state, hf.mamba_d_conv,
+                                                                     hf.mamba_expand)
+    assert (moe["n_experts"], moe["top_k"], moe["aux_coef"]) == (hf.num_experts, hf.num_experts_per_tok,
+                                                                 hf.router_aux_loss_coef)
+    assert cfg.layer_kinds == [t if t == "mamba" else "attn" for t in hf.layers_block_type]
+    assert [k == "moe" for k in cfg.ffn_kinds] == [n > 1 for n in hf.layers_num_experts]
+    assert not cfg.uses_rope  # Jamba's attention has no positional encoding
 
 
 MAMBA1 = ["in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight", "dt_proj.bias",
@@ -183,8 +190,8 @@ def jamba_mapping(ours: GPT) -> dict[str, tuple[str, slice | None]]:
     return m
 
 
-def test_jamba_matches_transformers(monkeypatch):
-    hf, ours = jamba_hf(), jamba_ours(monkeypatch)
+def test_jamba_matches_transformers():
+    hf, ours = jamba_hf(), jamba_ours()
     assert ours.config.layer_kinds == [t if t == "mamba" else "attn" for t in hf.config.layers_block_type]
     assert [k == "moe" for k in ours.config.ffn_kinds] == [n > 1 for n in hf.config.layers_num_experts]
     copy_weights(hf, ours, jamba_mapping(ours))
@@ -193,25 +200,22 @@ def test_jamba_matches_transformers(monkeypatch):
 
 
 @pytest.mark.parametrize("mistake", ["swap_mamba_layers", "swap_k_v", "default_moe_routing", "no_bcdt_norm"])
-def test_jamba_negative_controls(monkeypatch, mistake):
+def test_jamba_negative_controls(mistake):
     """Each plausible mistake moves the logits by > 1e-2 (100x the tolerance): the Mamba mixers of layers 0 and 2
     exchanged, k and v exchanged in the attention layer, ArchScale's MoE gates (renormalised over the top 2)
     instead of Jamba's, or Mamba without the dt/B/C norms (their gains left unused). (Exchanging the B and C norm
     gains is no such mistake: only their elementwise product reaches the output, C_t . (B_s * x_s).)"""
-    hf = jamba_hf()
-    ours = jamba_ours(monkeypatch, bcdt_norm=mistake != "no_bcdt_norm")
+    option = {"default_moe_routing": {"moe": {"routing": "topk_then_softmax"}},
+              "no_bcdt_norm": {"mamba": {"bcdt_norm": False}}}.get(mistake, {})
+    hf, ours = jamba_hf(), jamba_ours(mixer_options=option)
     mapping, unused = jamba_mapping(ours), set()
     if mistake == "no_bcdt_norm":
         unused = {k for k in mapping if ".mamba." in k and "_layernorm." in k}
         mapping = {k: v for k, v in mapping.items() if k not in unused}
-    elif mistake == "default_moe_routing":
-        for block in ours.blocks:
-            if block.ffn_kind == "moe":
-                block.mlp.routing = "topk_then_softmax"
     elif mistake == "swap_k_v":
         ka, kb = "model.layers.4.self_attn.k_proj.weight", "model.layers.4.self_attn.v_proj.weight"
         mapping[ka], mapping[kb] = mapping[kb], mapping[ka]
-    else:
+    elif mistake == "swap_mamba_layers":
         for k in [k for k in mapping if k.startswith("model.layers.0.mamba.")]:
             k2 = k.replace("layers.0.", "layers.2.")
             mapping[k], mapping[k2] = mapping[k2], mapping[k]
@@ -221,35 +225,50 @@ def test_jamba_negative_controls(monkeypatch, mistake):
 
 
 # ------------------------------------------------------------------------------------------------- Bamba
-BAMBA = dict(n_layer=20, n_embd=64, n_head=4, n_query_groups=2, head_size=16, intermediate_size=224, d_state=16,
-             headdim=16, chunk_size=8)
+# Bamba-9B's published config (ibm-ai-platform/Bamba-9B, config.json) where transformers' BambaConfig defaults
+# differ from it (d_state 256 there, no attention layers by default).
+BAMBA_9B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=14336, attn_layer_indices=[9, 18, 27], mamba_n_heads=128, mamba_d_head=64,
+                mamba_d_state=128, mamba_n_groups=1, mamba_chunk_size=256, rms_norm_eps=1e-5)
+# The small sizes both sides get (Mamba-2 heads of 16, chunks of 8 so that T=24 spans three); the rest is
+# Bamba-9B's (above) or transformers' default (expand 2, d_conv 4, RoPE base 10000 on half of each head) and, on
+# our side, the spec's.
+BAMBA_SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=224,
+                   num_hidden_layers=20, attn_layer_indices=[9, 18], mamba_n_heads=8, mamba_d_head=16,
+                   mamba_chunk_size=8)
 
 
-def bamba_hf(seed: int = 0, **overrides):
-    c = BAMBA
-    config = transformers.BambaConfig(
-        vocab_size=VOCAB, hidden_size=c["n_embd"], intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["n_layer"], num_attention_heads=c["n_head"], num_key_value_heads=c["n_query_groups"],
-        attn_layer_indices=[i for i in range(c["n_layer"]) if i % 9 == 0 and i], mamba_expand=2,
-        mamba_n_heads=2 * c["n_embd"] // c["headdim"], mamba_d_head=c["headdim"], mamba_n_groups=1,
-        mamba_d_state=c["d_state"], mamba_d_conv=4, mamba_chunk_size=c["chunk_size"], rms_norm_eps=1e-5,
-        tie_word_embeddings=False, attn_implementation="eager", **overrides)
+def bamba_hf(seed: int = 0):
+    config = transformers.BambaConfig(vocab_size=VOCAB, attn_implementation="eager", **{**BAMBA_9B, **BAMBA_SIZES})
     torch.manual_seed(seed)
     hf = transformers.BambaForCausalLM(config).eval()
     redraw(hf, seed)
     return hf
 
 
-def bamba_ours(monkeypatch, **overrides):
-    c = BAMBA
-    cfg = dict(n_layer=c["n_layer"], n_embd=c["n_embd"], n_head=c["n_head"], n_query_groups=c["n_query_groups"],
-               head_size=c["head_size"], intermediate_size=c["intermediate_size"], vocab_size=VOCAB, norm_eps=1e-5,
-               rotary_dim=c["head_size"] // 2,
-               mixer_options={"mamba2": {"d_state": c["d_state"], "headdim": c["headdim"], "expand": 2.0,
-                                         "chunk_size": c["chunk_size"]}})
-    cfg.update(overrides)
-    return build_ours(monkeypatch, "bambatest", lambda L: ["attn" if i % 9 == 0 and i else "mamba2" for i in range(L)],
-                      lambda L: ["mlp"] * L, **cfg)
+def bamba_ours(**overrides):
+    c = BAMBA_SIZES
+    head = c["hidden_size"] // c["num_attention_heads"]
+    sizes = dict(n_embd=c["hidden_size"], n_head=c["num_attention_heads"], n_query_groups=c["num_key_value_heads"],
+                 head_size=head, rotary_dim=head // 2, intermediate_size=c["intermediate_size"],
+                 mixer_options={"mamba2": {"headdim": c["mamba_d_head"], "chunk_size": c["mamba_chunk_size"]}})
+    return build_ours("bamba", c["num_hidden_layers"], **{**sizes, **overrides})
+
+
+def test_bamba_spec_at_depth_32_is_bamba_9b():
+    """The shipped spec at depth 32 has Bamba-9B's sizes, options and attention layers (9, 18, 27)."""
+    hf, cfg = transformers.BambaConfig(**BAMBA_9B), ModelConfig.from_layout("bamba", 32)
+    m2 = cfg.mixer_options["mamba2"]
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_query_groups, cfg.head_size, cfg.intermediate_size) == (
+        hf.num_hidden_layers, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads,
+        hf.hidden_size // hf.num_attention_heads, hf.intermediate_size)
+    assert (cfg.norm_eps, cfg.tie_embeddings, cfg.rope_base) == (hf.rms_norm_eps, hf.tie_word_embeddings,
+                                                                 hf.rope_parameters["rope_theta"])
+    assert cfg.rotary_dim == int(cfg.head_size * hf.rope_parameters["partial_rotary_factor"])
+    assert (int(m2["expand"] * cfg.n_embd) // m2["headdim"], m2["headdim"], m2["d_state"], m2["ngroups"],
+            m2["d_conv"], m2["chunk_size"]) == (hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_d_state,
+                                                hf.mamba_n_groups, hf.mamba_d_conv, hf.mamba_chunk_size)
+    assert cfg.layer_kinds == ["attn" if t == "full_attention" else "mamba2" for t in hf.layers_block_type]
 
 
 MAMBA2 = ["in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight"]
@@ -268,8 +287,8 @@ def bamba_mapping(ours: GPT) -> dict[str, tuple[str, slice | None]]:
     return m
 
 
-def test_bamba_matches_transformers(monkeypatch):
-    hf, ours = bamba_hf(), bamba_ours(monkeypatch)
+def test_bamba_matches_transformers():
+    hf, ours = bamba_hf(), bamba_ours()
     assert ours.config.layer_kinds == ["attn" if t == "full_attention" else "mamba2"
                                        for t in hf.config.layers_block_type]
     assert ours.config.layer_kinds.count("attn") == 2
@@ -279,11 +298,11 @@ def test_bamba_matches_transformers(monkeypatch):
 
 
 @pytest.mark.parametrize("mistake", ["full_rope", "swap_gate_up", "swap_mamba2_layers"])
-def test_bamba_negative_controls(monkeypatch, mistake):
+def test_bamba_negative_controls(mistake):
     """RoPE on every dim instead of half of each head; gate and up exchanged in one MLP; the Mamba-2 mixers of
     layers 7 and 8 exchanged: each moves the logits by > 1e-2 (100x the tolerance)."""
     hf = bamba_hf()
-    ours = bamba_ours(monkeypatch, **({"rotary_dim": 0} if mistake == "full_rope" else {}))
+    ours = bamba_ours(**({"rotary_dim": 0} if mistake == "full_rope" else {}))
     mapping = bamba_mapping(ours)
     if mistake == "swap_gate_up":
         ka, kb = "model.layers.3.feed_forward.gate_proj.weight", "model.layers.3.feed_forward.up_proj.weight"
@@ -302,13 +321,13 @@ HYBRIDS = {"jamba": (jamba_hf, jamba_ours, jamba_mapping), "bamba": (bamba_hf, b
 
 
 @pytest.mark.parametrize("name", list(HYBRIDS))
-def test_cached_pieces_match_transformers(monkeypatch, name):
+def test_cached_pieces_match_transformers(name):
     """Our cached prefill in pieces (7 tokens, one, 8, the rest: Mamba states, conv tails and K/V carried over) gives
     transformers' full-forward logits within 1e-4 too."""
     from archscale.models.cache import InferenceCache
 
     make_hf, make_ours, mapping = HYBRIDS[name]
-    hf, ours = make_hf(), make_ours(monkeypatch)
+    hf, ours = make_hf(), make_ours()
     copy_weights(hf, ours, mapping(ours))
     idx = tokens()
     with torch.no_grad():
