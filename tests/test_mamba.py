@@ -149,6 +149,42 @@ def test_parity_with_transformers_mamba_mixer():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+JAMBA_NORMS = {"dt_layernorm.weight": "dt_norm.weight", "b_layernorm.weight": "b_norm.weight",
+               "c_layernorm.weight": "c_norm.weight"}
+
+
+def test_bcdt_norm_matches_transformers_jamba_mamba_mixer():
+    """`bcdt_norm=True` equals transformers' JambaMambaMixer (its torch path), fp32, forward and token-by-token
+    decoding, with norm gains far from 1 so that a skipped or misplaced norm shows; off, it does not match."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.jamba.modeling_jamba import JambaMambaMixer
+
+    d, N, eps = 24, 8, 1e-6
+    ours = make(d, d_state=N, bcdt_norm=True, norm_eps=eps)
+    with torch.no_grad():
+        for norm in (ours.dt_norm, ours.b_norm, ours.c_norm):
+            norm.weight.copy_(1.0 + 0.5 * torch.randn_like(norm.weight))
+    cfg = transformers.JambaConfig(hidden_size=d, mamba_d_state=N, mamba_d_conv=4, mamba_expand=2,
+                                   mamba_dt_rank=ours.dt_rank, rms_norm_eps=eps, num_hidden_layers=1,
+                                   vocab_size=32)
+    hf = JambaMambaMixer(cfg, layer_idx=0).eval()
+    state = {JAMBA_NORMS.get(k, k): v for k, v in hf.state_dict().items()}
+    assert set(state) == set(ours.state_dict())
+    hf.load_state_dict({k: ours.state_dict()[JAMBA_NORMS.get(k, k)] for k in hf.state_dict()}, strict=True)
+    x = torch.randn(2, 11, d)
+    with torch.no_grad():
+        want = hf(x)
+        got, _ = ours(x)
+        st = MambaState.empty(2, ours)
+        steps = torch.cat([ours(x[:, t:t + 1], st)[0] for t in range(x.shape[1])], dim=1)
+        plain = make(d, d_state=N)
+        plain.load_state_dict({k: v for k, v in ours.state_dict().items() if "_norm." not in k}, strict=True)
+        without = plain(x)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(steps, want, rtol=1e-5, atol=1e-5)
+    assert (without - want).abs().max() > 1e-2  # negative control: the same weights without the norms
+
+
 HAS_KERNEL = torch.cuda.is_available() and importlib.util.find_spec("mamba_ssm") is not None
 
 

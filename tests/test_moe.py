@@ -24,12 +24,16 @@ def moe_config(arch="transformer", depth=4, ar=16, n_experts=4, top_k=2, n_share
 
 
 def naive_moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
-    """Token by token: softmax over the k largest router logits, the weighted sum of those experts' SwiGLUs."""
+    """Token by token: softmax over the k largest router logits (or, with routing "softmax_then_topk", the k largest
+    of the softmax over all logits), the weighted sum of those experts' SwiGLUs."""
     out = []
     for xt in x.reshape(-1, x.shape[-1]):
         logits = (xt @ layer.router.weight.t()) * layer.logit_scale
         chosen = sorted(range(layer.n_experts), key=lambda e: -float(logits[e].detach()))[: layer.top_k]
-        gates = torch.softmax(logits[chosen], dim=0)
+        if layer.routing == "softmax_then_topk":
+            gates = torch.softmax(logits, dim=0)[chosen]
+        else:
+            gates = torch.softmax(logits[chosen], dim=0)
         y = torch.zeros_like(xt)
         for g, e in zip(gates, chosen):
             gate, inp = (layer.w1.weight[e] @ xt).chunk(2)
@@ -40,12 +44,16 @@ def naive_moe(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(out).reshape(x.shape)
 
 
-@pytest.mark.parametrize("n_experts,top_k,n_shared", [(4, 2, 0), (8, 1, 0), (6, 3, 1)])
-def test_routing_equals_a_per_token_loop(n_experts, top_k, n_shared):
+@pytest.mark.parametrize("n_experts,top_k,n_shared,routing", [(4, 2, 0, "topk_then_softmax"),
+                                                              (8, 1, 0, "topk_then_softmax"),
+                                                              (6, 3, 1, "topk_then_softmax"),
+                                                              (4, 2, 0, "softmax_then_topk"),
+                                                              (8, 1, 0, "softmax_then_topk")])
+def test_routing_equals_a_per_token_loop(n_experts, top_k, n_shared, routing):
     """Values and gradients (input and every parameter) of the sorted, dropless dispatch equal the per-token loop,
-    fp32, atol 1e-6."""
+    fp32, atol 1e-6, for both gate rules."""
     torch.manual_seed(0)
-    cfg = moe_config(n_experts=n_experts, top_k=top_k, n_shared=n_shared)
+    cfg = moe_config(n_experts=n_experts, top_k=top_k, n_shared=n_shared, moe=dict(routing=routing))
     layer = MoE(cfg, 0, "moe")
     layer.reset_parameters()
     x = torch.randn(3, 7, cfg.n_embd, requires_grad=True)
@@ -62,9 +70,36 @@ def test_routing_equals_a_per_token_loop(n_experts, top_k, n_shared):
     for name in gp1:
         torch.testing.assert_close(gp1[name], gp2[name], atol=1e-6, rtol=1e-5, msg=name)
     # every expert got tokens, so the comparison covers them all; with k = 1 the gate is softmax of one logit = 1
-    # and the router learns only from the auxiliary loss (softmax after top-k, as ArchScale)
+    # and the router learns only from the auxiliary loss (softmax after top-k, as ArchScale); the softmax over all
+    # E logits (Jamba's rule) gives it a gradient whatever k
     assert all(bool((gp1[n].flatten(1).abs().amax(1) > 0).all()) for n in ("w1.weight", "w3.weight"))
-    assert bool(gp1["router.weight"].abs().max() > 0) == (top_k > 1)
+    assert bool(gp1["router.weight"].abs().max() > 0) == (top_k > 1 or routing == "softmax_then_topk")
+
+
+def test_softmax_then_topk_gates_are_not_renormalised_and_differ_from_the_default():
+    """Jamba's gates are the chosen probabilities of the softmax over all E (they sum to < 1); the default rule's
+    sum to 1. Same experts chosen by both (softmax is monotonic), so only the gates differ."""
+    torch.manual_seed(0)
+    layers = {}
+    for routing in ("topk_then_softmax", "softmax_then_topk"):
+        torch.manual_seed(0)
+        layers[routing] = MoE(moe_config(n_experts=8, top_k=2, moe=dict(routing=routing)), 0, "moe")
+    flat = torch.randn(50, layers["softmax_then_topk"].router.in_features)
+    _, idx_a, gates_a = layers["topk_then_softmax"].route(flat)
+    logits, idx_b, gates_b = layers["softmax_then_topk"].route(flat)
+    assert torch.equal(idx_a, idx_b)
+    torch.testing.assert_close(gates_a.sum(-1), torch.ones(50))
+    assert bool((gates_b.sum(-1) < 1 - 1e-3).all())
+    torch.testing.assert_close(gates_b, torch.softmax(logits, -1).gather(1, idx_b))
+
+
+def test_fine_grained_off_gives_experts_the_dense_width():
+    cfg = moe_config(n_experts=4, top_k=2, moe=dict(fine_grained=False))
+    layer = MoE(cfg, 0, "moe")
+    assert layer.w1.weight.shape == (4, 2 * cfg.intermediate_size, cfg.n_embd)
+    assert MoE(moe_config(n_experts=4, top_k=2), 0, "moe").w1.weight.shape[1] == cfg.intermediate_size
+    explicit = MoE(moe_config(n_experts=4, top_k=2, moe=dict(fine_grained=False, expert_hidden=24)), 0, "moe")
+    assert explicit.w3.weight.shape == (4, cfg.n_embd, 24)  # an explicit width wins
 
 
 def test_aux_loss_equals_its_formula():
@@ -118,6 +153,8 @@ def test_bad_moe_options_are_one_line_errors():
         GPT(moe_config(n_experts=2, top_k=3))
     with pytest.raises(UserError, match="no ffn registered"):
         GPT(moe_config().replace(ffn_kind="moee"))
+    with pytest.raises(UserError, match="routing must be one of"):
+        GPT(moe_config(moe=dict(routing="sigmoid")))
 
 
 # ------------------------------------------------- the registry's per-architecture checks, on MoE models

@@ -3,6 +3,7 @@
     xz = in_proj(x);  x, z = split(xz)                        (B, T, d_inner) each
     x  = silu(causal depthwise conv1d(x))                      (one fused C++ pass with the CPU scan kernel)
     dt, B, C = split(x_proj(x));  dt = dt_proj.weight @ dt   (dt_proj.bias is the scan's delta_bias)
+    (with ``bcdt_norm``, Jamba's variant: dt, B, C each pass an RMSNorm before that, `dt_norm`, `b_norm`, `c_norm`)
     y  = selective_scan(x, dt, A=-exp(A_log), B, C, D)       (the SSM output, including the D*x skip)
     out = out_proj(y * silu(z))
 
@@ -28,6 +29,7 @@ from archscale.kernels.selective_scan import (cuda_scan_available, runs_cpu_kern
                                               selective_state_update)
 from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, options_of,
                                          register)
+from archscale.models.norm import RMSNorm
 
 
 @dataclass
@@ -48,7 +50,8 @@ class MambaState:
 class Mamba(nn.Module):
     def __init__(self, d_model: int, *, d_state: int = 16, d_conv: int = 4, expand: int = 2,
                  dt_rank: int | None = None, gmu_save: bool = False, scan_impl: str = "auto",
-                 dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4):
+                 dt_min: float = 1e-3, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
+                 bcdt_norm: bool = False, norm_eps: float = 1e-6):
         super().__init__()
         self.d_model, self.d_state, self.d_conv = d_model, d_state, d_conv
         self.d_inner = expand * d_model
@@ -64,6 +67,11 @@ class Mamba(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.d_inner, d_state))
         self.D = nn.Parameter(torch.empty(self.d_inner))
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False)
+        # Jamba (Lieber et al. 2024) normalises dt, B and C after x_proj, for stability at scale
+        self.dt_norm = self.b_norm = self.c_norm = None
+        if bcdt_norm:
+            self.dt_norm = RMSNorm(self.dt_rank, norm_eps)
+            self.b_norm, self.c_norm = RMSNorm(d_state, norm_eps), RMSNorm(d_state, norm_eps)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -105,6 +113,9 @@ class Mamba(nn.Module):
             xs = F.silu(self._conv(xs, state))                                # (B, d_inner, T)
         dt, Bm, Cm = torch.split(self.x_proj(xs.transpose(1, 2)), [self.dt_rank, self.d_state, self.d_state],
                                  dim=-1)
+        if self.dt_norm is not None:  # the norms compute in fp32; the projections keep the activation dtype
+            dt, Bm, Cm = (norm(t).to(t.dtype) for norm, t in ((self.dt_norm, dt), (self.b_norm, Bm),
+                                                                (self.c_norm, Cm)))
         dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)                # (B, d_inner, T); bias: in the scan
         A = -torch.exp(self.A_log.float())
         gate = None if self.gmu_save else z
@@ -160,6 +171,8 @@ class MambaOptions:
     d_state: int = 16
     d_conv: int = 4
     expand: int = 2
+    # Jamba's RMSNorms on dt, B and C after x_proj (eps: ModelConfig.norm_eps); off in ArchScale's Mamba
+    bcdt_norm: bool = False
 
 
 class MambaMixer(Mamba):
@@ -169,7 +182,7 @@ class MambaMixer(Mamba):
     def __init__(self, config: ModelConfig, layer_idx: int, kind: str):
         opts = options(config)
         super().__init__(config.n_embd, d_state=opts.d_state, d_conv=opts.d_conv, expand=opts.expand,
-                         gmu_save=kind == "mamba_mem")
+                         gmu_save=kind == "mamba_mem", bcdt_norm=opts.bcdt_norm, norm_eps=config.norm_eps)
         self.layer_idx = layer_idx
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
@@ -201,11 +214,12 @@ SPEC = register(MixerSpec(
     # Mamba's own U(+-dt_rank^-0.5) init times w_init0); dt_proj.bias, A_log, D and the conv are the SSM's own.
     roles=(("in_proj.weight", MATRIX), ("x_proj.weight", MATRIX), ("dt_proj.weight", MATRIX),
            ("out_proj.weight", OUTPUT), ("dt_proj.bias", VECTOR), ("conv1d.*", VECTOR), ("A_log", VECTOR),
-           ("D", VECTOR)),
+           ("D", VECTOR), ("dt_norm.weight", VECTOR), ("b_norm.weight", VECTOR), ("c_norm.weight", VECTOR)),
     flops=mamba_flops,
     description="Mamba-1 selective SSM; 'mamba_mem' also exports its pre-gate SSM output as GMU memory (SambaY)",
     tests=("tests/test_selective_scan.py::test_chunked_matches_ref_fp32",
-           "tests/test_mamba.py::test_parity_with_transformers_mamba_mixer"),
+           "tests/test_mamba.py::test_parity_with_transformers_mamba_mixer",
+           "tests/test_mamba.py::test_bcdt_norm_matches_transformers_jamba_mamba_mixer"),
     mup_init_std=lambda config, rel: (math.ceil(config.n_embd / 16) ** -0.5 / math.sqrt(3)
                                       if rel == "dt_proj.weight" else None),
     state=MambaState,

@@ -5,6 +5,9 @@ Follows ArchScale's MoE (github.com/microsoft/ArchScale, `lit_gpt/moe.py` at its
   ArchScale, Shazeer et al. 2017 and gpt-oss do): each token's gates sum to 1 whatever the number of experts;
 - fine-grained experts: each expert is a SwiGLU of hidden `intermediate_size // (top_k + n_shared)`, so a token's
   active hidden width equals the dense SwiGLU's (4d) and an MoE model has the active parameters of its dense twin;
+- `routing="softmax_then_topk"` (Jamba, Mixtral-style without renormalisation, Qwen-MoE's norm_topk_prob=False):
+  the softmax over all E logits, then the k largest probabilities as gates, not renormalised (they sum to < 1);
+- `fine_grained=False` (Jamba, Mixtral): each expert is as wide as the dense SwiGLU (`intermediate_size`);
 - optional shared experts that every token uses (ArchScale's `share_expert` takes one of the k slots: its top_k=K
   with a shared expert is n_shared=1, top_k=K-1 here), added to the routed output with weight 1;
 - router logits computed in fp32 and multiplied by `ModelConfig.logit_scale` (d0/L under mu-P, 1 under SP: the
@@ -45,17 +48,25 @@ class MoEOptions:
     expert_hidden: int = 0  # SwiGLU hidden of one expert; 0: intermediate_size // (top_k + n_shared)
     aux_coef: float = 1e-3  # load-balancing loss coefficient (ArchScale's aux_gamma)
     z_coef: float = 0.0  # router z-loss coefficient (ST-MoE uses 1e-3)
+    routing: str = "topk_then_softmax"  # ArchScale's gates; "softmax_then_topk": Jamba's (see the module doc)
+    fine_grained: bool = True  # expert hidden intermediate_size // (top_k + n_shared); False: intermediate_size
+
+
+ROUTINGS = ("topk_then_softmax", "softmax_then_topk")
 
 
 def moe_options(config: ModelConfig) -> MoEOptions:
     o = options_of(config, SPEC)
     if o.n_experts < 1 or not 1 <= o.top_k <= o.n_experts or o.n_shared < 0 or o.aux_coef < 0 or o.z_coef < 0:
         raise UserError(f"moe: need 1 <= top_k <= n_experts, n_shared >= 0 and coefficients >= 0 (got {o})")
+    if o.routing not in ROUTINGS:
+        raise UserError(f"moe: routing must be one of {', '.join(ROUTINGS)} (got {o.routing!r})")
     return o
 
 
 def expert_hidden(config: ModelConfig, o: MoEOptions) -> int:
-    hidden = o.expert_hidden or config.intermediate_size // (o.top_k + o.n_shared)
+    dense = config.intermediate_size
+    hidden = o.expert_hidden or (dense // (o.top_k + o.n_shared) if o.fine_grained else dense)
     if hidden < 1:
         raise UserError(f"moe: expert hidden width is {hidden}; lower top_k + n_shared or set expert_hidden")
     return hidden
@@ -99,6 +110,7 @@ class MoE(nn.Module):
         o = moe_options(config)
         self.n_experts, self.top_k = o.n_experts, o.top_k
         self.aux_coef, self.z_coef = o.aux_coef, o.z_coef
+        self.routing = o.routing
         self.logit_scale = config.logit_scale
         hidden = expert_hidden(config, o)
         self.router = nn.Linear(config.n_embd, o.n_experts, bias=False)
@@ -124,9 +136,13 @@ class MoE(nn.Module):
         nn.init.normal_(self.router.weight, 0.0, ROUTER_STD)
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logits (N, E) fp32, chosen experts (N, k), gates (N, k) fp32 summing to 1 per token)."""
+        """(logits (N, E) fp32, chosen experts (N, k), gates (N, k) fp32: summing to 1 per token, or with
+        "softmax_then_topk" the chosen experts' probabilities under the softmax over all E)."""
         with torch.autocast(flat.device.type, enabled=False):
             logits = (flat.float() @ self.router.weight.float().t()) * self.logit_scale
+        if self.routing == "softmax_then_topk":
+            gates, top_idx = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+            return logits, top_idx, gates
         top_logits, top_idx = logits.topk(self.top_k, dim=-1)
         return logits, top_idx, torch.softmax(top_logits, dim=-1)
 
@@ -195,7 +211,8 @@ SPEC = register(MixerSpec(
     flops=moe_flops,
     description="top-k routed SwiGLU experts (+ optional shared experts), Switch load-balancing and z losses",
     tests=("tests/test_moe.py::test_routing_equals_a_per_token_loop",
-           "tests/test_moe.py::test_aux_loss_equals_its_formula"),
+           "tests/test_moe.py::test_aux_loss_equals_its_formula",
+           "tests/test_external_hybrids.py::test_jamba_matches_transformers"),
     varlen="exact: per token",
     mup_init_std=moe_init_std,
     active=moe_active,
