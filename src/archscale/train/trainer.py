@@ -189,10 +189,13 @@ def dry_run_notes(cfg: PretrainConfig) -> list[str]:
 
 
 def print_dry_run(cfg: PretrainConfig, explicit: set[str] = frozenset()) -> None:
-    """`--dry_run`: the JSON plan on stdout (warnings go to stderr so stdout stays parseable)."""
+    """`--dry_run`: the plan on stdout as a table (`--json`: as JSON); warnings go to stderr so stdout stays
+    parseable."""
+    from archscale.train.dry_run_table import render_dry_run
+
     summary = dry_run_summary(cfg, explicit, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                               warn=lambda msg: print(msg, file=sys.stderr))
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2) if cfg.json else render_dry_run(summary))
 
 
 def missing_default_validation(cfg: PretrainConfig, block_size: int) -> Optional[str]:
