@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from archscale.errors import UserError
+from archscale.progress import Progress, add_progress_flag
 from archscale.train.args import explicit_flags, parse_pretrain, pretrain_parser  # noqa: F401 (the CLI's API)
 
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
@@ -143,14 +144,18 @@ def cmd_export(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="hf: weight dtype")
     p.add_argument("--max_shard_size", default="5GB", help="hf: shard model.safetensors above this size")
     p.add_argument("--tokenizer", default=None, help="hf: override the run's recorded tokenizer")
+    add_progress_flag(p)
     a = p.parse_args(argv)
     fmt = a.format or ("safetensors" if a.out.endswith(".safetensors") else "hf")
     if fmt == "safetensors":
         from archscale.export.consolidate import consolidate
-        print(f"wrote {consolidate(a.checkpoint, a.out)}")
+        with Progress(show=a.progress).stage(f"export: consolidating {a.checkpoint} into {a.out}"):
+            written = consolidate(a.checkpoint, a.out)
+        print(f"wrote {written}")
         return 0
     from archscale.export.hf_folder import export_hf
-    out = export_hf(a.checkpoint, a.out, dtype=a.dtype, max_shard_size=a.max_shard_size, tokenizer=a.tokenizer)
+    out = export_hf(a.checkpoint, a.out, dtype=a.dtype, max_shard_size=a.max_shard_size, tokenizer=a.tokenizer,
+                    progress=Progress(show=a.progress))
     print(f"wrote {out}")
     return 0
 
@@ -168,8 +173,10 @@ def cmd_quantize(argv: list[str]) -> int:
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     p.add_argument("--tokenizer", default=None, help="override the run's recorded tokenizer")
+    add_progress_flag(p)
     a = p.parse_args(argv)
-    recipe = quantize_checkpoint(a.checkpoint, a.method, a.out, tokenizer=a.tokenizer)
+    recipe = quantize_checkpoint(a.checkpoint, a.method, a.out, tokenizer=a.tokenizer,
+                                 progress=Progress(show=a.progress))
     print(f"wrote {a.out}: {a.method} ({recipe['library']}), {len(recipe['quantized'])} linear layers quantised"
           + (f", {len(recipe['skipped'])} kept in fp32" if recipe["skipped"] else ""))
     return 0
