@@ -105,3 +105,15 @@ def test_sweep_shows_runs_done_and_the_running_ones_step(tmp_path, capsys, monke
     study.write_text(study.read_text().replace(str(tmp_path / "again"), str(tmp_path / "quiet")))
     assert main(["sweep", str(study), "--progress", "false"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_prepare_reports_off_a_terminal_and_is_quiet_with_progress_false(tmp_path, capsys):
+    tiny_tokenizer(tmp_path)
+    (tmp_path / "in").mkdir()
+    for i in range(3):
+        (tmp_path / "in" / f"{i}.txt").write_text(f"document number {i} " * 20)
+    argv = ["prepare", "--input", str(tmp_path / "in"), "--tokenizer", str(tmp_path / "tok.json"), "--num_workers", "0"]
+    assert main([*argv, "--output_dir", str(tmp_path / "a")]) == 0
+    assert capsys.readouterr().err.startswith("prepare: ")
+    assert main([*argv, "--output_dir", str(tmp_path / "b"), "--progress", "false"]) == 0
+    assert capsys.readouterr().err == ""

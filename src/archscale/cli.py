@@ -63,9 +63,10 @@ def cmd_prepare(argv: list[str]) -> int:
     p.add_argument("--num_workers", type=int, default=None, help="tokenizer processes (default: min(4, cores))")
     p.add_argument("--text_key", default="text", help="JSONL field / parquet column holding the text")
     p.add_argument("--seed", type=int, default=42)
+    add_progress_flag(p)
     a = p.parse_args(argv)
     kwargs = dict(val_fraction=a.val_fraction, chunk_size=a.chunk_size, max_length=a.max_length, shuffle=a.shuffle,
-                  text_key=a.text_key, seed=a.seed)
+                  text_key=a.text_key, seed=a.seed, progress=a.progress)
     if a.num_workers is not None:
         kwargs["num_workers"] = a.num_workers
     manifest = prepare(a.input, a.output_dir, a.tokenizer, **kwargs)
