@@ -31,10 +31,13 @@ def test_the_helper_draws_on_a_terminal_writes_a_line_otherwise_and_is_quiet_whe
                 bar.advance()
         with p.stage("export: writing out/"):
             pass
+        with p.stage("export: loading run/", log=False):  # drawn on a terminal only
+            pass
     assert log.getvalue() == "phonebook 20 entries: 3 samples ...\nexport: writing out/ ...\n"
     assert quiet.getvalue() == ""
     drawn = tty.getvalue()
     assert "\x1b[" in drawn and "3/3" in drawn and "samples" in drawn and "..." not in drawn
+    assert "export: loading run/" in drawn
     assert Progress(stream=tty).live and not Progress(stream=log).live and not Progress(False, tty).live
     assert parse_bool("false") is False and parse_bool("True") is True
     with pytest.raises(Exception):
@@ -52,14 +55,16 @@ def test_export_and_quantize_name_their_stages(run_dir, tmp_path, capsys, monkey
     assert main([command, "--checkpoint", str(run_dir), "--out", str(tmp_path / "a"), *extra]) == 0
     lines = capsys.readouterr().err.splitlines()
     assert [ln.split(":")[1].split()[0] for ln in lines if ln.startswith(f"{command}:")] == (
-        ["loading", "converting", "writing"] if command == "export" else ["loading", "int8-weight", "writing"])
+        ["converting", "writing"] if command == "export" else ["int8-weight", "writing"])  # loading: no line, so
+    # a refused checkpoint stays a one-line error (tests/test_trust.py); a terminal still shows its bar
     assert main([command, "--checkpoint", str(run_dir), "--out", str(tmp_path / "b"), *extra,
                  "--progress", "false"]) == 0
     assert capsys.readouterr().err == ""
     tty = FakeTTY()
     monkeypatch.setattr(sys, "stderr", tty)
     assert main([command, "--checkpoint", str(run_dir), "--out", str(tmp_path / "c"), *extra]) == 0
-    assert "\x1b[" in tty.getvalue() and f"{command}: writing" in tty.getvalue()
+    assert "\x1b[" in tty.getvalue() and f"{command}: loading" in tty.getvalue()
+    assert f"{command}: writing" in tty.getvalue()
 
 
 def test_reason_and_bench_serve_show_samples_done_and_time_left(tmp_path, capsys, monkeypatch):

@@ -150,7 +150,7 @@ def cmd_export(argv: list[str]) -> int:
     fmt = a.format or ("safetensors" if a.out.endswith(".safetensors") else "hf")
     if fmt == "safetensors":
         from archscale.export.consolidate import consolidate
-        with Progress(show=a.progress).stage(f"export: consolidating {a.checkpoint} into {a.out}"):
+        with Progress(show=a.progress).stage(f"export: consolidating {a.checkpoint} into {a.out}", log=False):
             written = consolidate(a.checkpoint, a.out)
         print(f"wrote {written}")
         return 0

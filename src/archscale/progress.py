@@ -78,8 +78,11 @@ class Progress:
             print(text, file=self.stream, flush=True)
 
     @contextmanager
-    def stage(self, label: str, total: float | None = None, unit: str = "") -> Iterator[_Bar | _Quiet]:
-        if not self.show:
+    def stage(self, label: str, total: float | None = None, unit: str = "",
+              log: bool = True) -> Iterator[_Bar | _Quiet]:
+        """A bar on a terminal; otherwise a line (`log=False`: none, for a stage that checks input, such as
+        loading a checkpoint, so a refusal stays the one line of the error)."""
+        if not self.show or (not self.live and not log):
             yield _Quiet()
             return
         if not self.live:

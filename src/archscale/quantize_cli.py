@@ -26,7 +26,7 @@ def quantize_checkpoint(checkpoint: str | Path, method: str, out: str | Path, to
     if exported_kind(checkpoint) == "quantized":
         raise UserError(f"--checkpoint {checkpoint}: already quantised; quantise the original checkpoint")
     progress = progress or Progress(show=False)
-    with progress.stage(f"quantize: loading {checkpoint}"):
+    with progress.stage(f"quantize: loading {checkpoint}", log=False):
         em = load_eval_model(checkpoint, device="cpu", tokenizer=tokenizer)
     with progress.stage(f"quantize: {method} on the linear layers"):
         info = quantize_model(em.model, method)

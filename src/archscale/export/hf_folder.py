@@ -144,7 +144,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", max_
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = fresh_out_dir(out)
     progress = progress or Progress(show=False)
-    with progress.stage(f"export: loading {checkpoint}"):
+    with progress.stage(f"export: loading {checkpoint}", log=False):
         em = load_eval_model(checkpoint, device="cpu", tokenizer=tokenizer)
     return write_hf_folder(em, out, dtype, max_shard_size, progress)
 
