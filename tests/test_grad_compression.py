@@ -152,7 +152,7 @@ def test_bad_specs_are_one_line_errors(spec, message):
 def test_compression_without_ddp_is_refused_at_argument_time(strategy, capsys):
     from archscale.cli import main
 
-    code = main(["pretrain", "--dry_run", "--vocab_size", "256", "--depth", "2", "--strategy", strategy,
+    code = main(["pretrain", "--dry_run", "--json", "--vocab_size", "256", "--depth", "2", "--strategy", strategy,
                  "--grad_compression", "fp16"])
     err = capsys.readouterr().err
     assert code == 2 and "needs --strategy ddp" in err and len(err.strip().splitlines()) == 1
@@ -161,7 +161,7 @@ def test_compression_without_ddp_is_refused_at_argument_time(strategy, capsys):
 def test_dry_run_shows_the_compression(capsys):
     from archscale.cli import main
 
-    assert main(["pretrain", "--dry_run", "--vocab_size", "256", "--depth", "2", "--strategy", "ddp",
+    assert main(["pretrain", "--dry_run", "--json", "--vocab_size", "256", "--depth", "2", "--strategy", "ddp",
                  "--grad_compression", "powersgd:rank=4,start=10"]) == 0
     assert json.loads(capsys.readouterr().out)["grad_compression"] == "powersgd rank 4 after 10 plain steps"
     with pytest.raises(SystemExit):

@@ -262,7 +262,7 @@ def test_dry_run_shows_total_and_active_parameters(capsys):
 
     out = {}
     for extra in ([], ["--moe", "8:2"]):
-        assert main(["pretrain", "--dry_run", "--depth", "4", "--vocab_size", "1000", *extra]) == 0
+        assert main(["pretrain", "--dry_run", "--json", "--depth", "4", "--vocab_size", "1000", *extra]) == 0
         out[bool(extra)] = json.loads(capsys.readouterr().out)
     dense, moe = out[False], out[True]
     assert dense["n_params_active"] == dense["n_params"]

@@ -421,3 +421,61 @@ def test_bad_arguments(tmp_path, tok_path, kw, match):
     (tmp_path / "ok.txt").write_text("fine")
     with pytest.raises(UserError, match=match):
         prepare([str(tmp_path / "ok.txt")], str(tmp_path / "out"), tok_path, progress=False, **kw)
+
+
+def _hash(key: str, idx: int, seed: int = 42) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{seed}\x00{key}\x00{idx}".encode(), digest_size=8).digest(), "little")
+
+
+def _txt_corpus(root: Path, n: int) -> list[str]:
+    root.mkdir(parents=True)
+    rng = random.Random(5)
+    for i in range(n):
+        (root / f"doc{i:02d}.txt").write_text(_doc(rng, f"t{i}"), encoding="utf-8")
+    return sorted(f"in/doc{i:02d}.txt" for i in range(n))
+
+
+def test_small_corpus_still_gets_one_validation_document_the_lowest_hash(tmp_path, tok_path, tok, capsys):
+    """--val_fraction 0.01 of 16 documents: the hash rule alone picks none (checked below), so the document of
+    lowest hash goes to validation, prepare says so, and a re-run keeps the same shards."""
+    keys = _txt_corpus(tmp_path / "in", 16)
+    assert not any(_is_val(k, 0, 0.001) for k in keys)  # the rule alone would leave validation empty
+    out = tmp_path / "out"
+    m = prepare([str(tmp_path / "in")], str(out), tok_path, val_fraction=0.001, chunk_size=CHUNK, num_workers=0)
+    lowest = min(keys, key=lambda k: _hash(k, 0))
+    assert m["splits"]["validation"]["documents"] == 1 and m["splits"]["train"]["documents"] == 15
+    text = (tmp_path / lowest).read_text(encoding="utf-8")
+    assert _read_split(out, m, "validation").tolist() == tok.encode(text)
+    err = capsys.readouterr().err
+    assert f"the document of lowest hash ({lowest}) goes there" in err, err
+    before = _snapshot(out)
+    again = prepare([str(tmp_path / "in")], str(out), tok_path, val_fraction=0.001, chunk_size=CHUNK,
+                    num_workers=0, progress=False)
+    assert again["splits"] == m["splits"] and _snapshot(out) == before
+    (out / "manifest.json").unlink()  # as after a crash before the end: the re-run gives the same split
+    (out / ".prepare" / next(p.name for p in (out / ".prepare").glob("*.done.json"))).unlink()
+    assert prepare([str(tmp_path / "in")], str(out), tok_path, val_fraction=0.001, chunk_size=CHUNK,
+                   num_workers=0, progress=False)["splits"] == m["splits"]
+
+
+def test_train_keeps_the_highest_hash_document_when_every_hash_falls_into_validation(tmp_path, tok_path):
+    keys = _txt_corpus(tmp_path / "in", 3)
+    assert all(_is_val(k, 0, 0.9999) for k in keys)
+    m = prepare([str(tmp_path / "in")], str(tmp_path / "out"), tok_path, val_fraction=0.9999, chunk_size=CHUNK,
+                num_workers=0, progress=False)
+    assert (m["splits"]["train"]["documents"], m["splits"]["validation"]["documents"]) == (1, 2)
+    highest = max(keys, key=lambda k: _hash(k, 0))
+    assert [i["key"] for i in m["inputs"] if i["tokens"] and _hash(i["key"], 0) == _hash(highest, 0)] == [highest]
+
+
+def test_a_single_document_corpus_is_one_line_before_any_work(tmp_path, tok_path):
+    (tmp_path / "one.txt").write_text("just one document", encoding="utf-8")
+    (tmp_path / "blank.txt").write_text("  \n", encoding="utf-8")  # blank: not a document
+    with pytest.raises(UserError, match=r"a single document cannot be split into train and validation; add "
+                                        r"documents, or pass --val_fraction 0"):
+        prepare([str(tmp_path / "one.txt"), str(tmp_path / "blank.txt")], str(tmp_path / "out"), tok_path,
+                val_fraction=0.01, num_workers=0, progress=False)
+    assert not (tmp_path / "out").exists()  # refused before the output folder was made
+    m = prepare([str(tmp_path / "one.txt")], str(tmp_path / "out"), tok_path, val_fraction=0.0, num_workers=0,
+                progress=False)
+    assert m["splits"]["train"]["documents"] == 1

@@ -122,7 +122,7 @@ def test_plan_wires_rules_into_model_and_groups(tmp_path):
 def test_dry_run_d24_mup_tie_matches_the_formulas(tmp_path, capsys):
     out = tmp_path / "never"
     argv = ["pretrain", "--train_model", "transformer", "--depth", "24", "--train_name", "scaling_mup_tie",
-            "--train_data_dir", str(tmp_path / "no_data"), "--out_dir", str(out), "--dry_run"]  # bare flag
+            "--train_data_dir", str(tmp_path / "no_data"), "--out_dir", str(out), "--dry_run", "--json"]  # bare flags
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert not out.exists()
@@ -148,7 +148,7 @@ def test_dry_run_d24_mup_tie_matches_the_formulas(tmp_path, capsys):
 
 def test_dry_run_ar_override_and_vocab_flag(tmp_path, capsys):
     argv = ["pretrain", "--depth", "4", "--ar", "32", "--vocab_size", "1000", "--parametrization", "mup",
-            "--train_data_dir", str(tmp_path), "--dry_run", "true"]
+            "--train_data_dir", str(tmp_path), "--json", "--dry_run", "true"]
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert (plan["n_embd"], plan["n_head"], plan["head_size"], plan["n_kv_head"]) == (128, 4, 32, 1)
@@ -268,7 +268,7 @@ def test_mup_plus_plus_run_trains_and_logs_its_rules(dataset, tmp_path):
 
 # ------------------------------------------------------------------------------- the seed's hybrid commands
 def dry(capsys, *argv):
-    assert main(["pretrain", "--train_data_dir", "/nonexistent/data", *argv, "--dry_run"]) == 0
+    assert main(["pretrain", "--train_data_dir", "/nonexistent/data", *argv, "--dry_run", "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -315,7 +315,7 @@ def test_dry_run_hp_sweep_names(capsys, lr, bs):
 
 def test_dry_run_prints_the_parameter_law_and_its_deviation(tmp_path, capsys):
     argv = ["pretrain", "--train_model", "sambay", "--depth", "16", "--train_data_dir", str(tmp_path),
-            "--dry_run", "--varlen", "true", "--ctx_len", "4096"]
+            "--dry_run", "--json", "--varlen", "true", "--ctx_len", "4096"]
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["n_params_law"] == (14.5 * 124**2 + 144 * 124) * 16**3

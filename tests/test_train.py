@@ -214,3 +214,28 @@ def test_schedules():
     assert lr_at(80, schedule="wsd", **kw) == 1.0  # stable for 5/7 of the 100 decay steps
     assert lr_at(110, schedule="wsd", **kw) == pytest.approx(0.1)
     assert lr_at(100, schedule="wsd", **kw) == pytest.approx(0.1 + 0.9 * (1 - (0.9 - 5 / 7) / (2 / 7)))
+
+
+@pytest.mark.parametrize("validation", ["none", "too short"])
+def test_no_validation_in_the_training_folder_trains_without_it_with_one_warning(dataset, tmp_path, capsys, validation):
+    """The chosen behaviour: validation's default place (the training folder) without a validation block is a
+    warning naming --eval_iters 0, and training runs with an empty val_loss column; a --val_data_dir the user
+    named stays an error."""
+    from archscale.data.format import write_shard
+
+    val = dataset / "validation_0000000000.bin"
+    val.unlink()
+    if validation == "too short":
+        write_shard(val, list(range(1, 65)), "uint16")  # 64 tokens: not one block of --ctx_len 64 + 1
+    run = tmp_path / "run"
+    assert main(args(dataset, run, "--resume", "none", "--max_tokens", "1280")) == 0
+    err = "".join(capsys.readouterr())  # the trainer logs on stdout
+    warnings = [ln for ln in err.splitlines() if "training without validation" in ln]
+    assert len(warnings) == 1 and "pass --eval_iters 0 to say so" in warnings[0], err
+    assert ("no validation*.bin in" in warnings[0]) == (validation == "none"), warnings
+    r = rows(run)
+    assert [x["step"] for x in r] == ["1", "2", "3", "4", "5"] and not any(x["val_loss"] for x in r)
+    assert main(args(dataset, tmp_path / "quiet", "--resume", "none", "--max_tokens", "1280", "--eval_iters", "0")) == 0
+    assert "without validation" not in "".join(capsys.readouterr())
+    assert main(args(dataset, tmp_path / "named", "--resume", "none", "--val_data_dir", str(dataset))) == 2
+    assert capsys.readouterr().err.count("\n") == 1

@@ -143,6 +143,6 @@ def test_train_name_varlen_rbase_dry_run(capsys):
 
     from archscale.cli import main
     assert main(["pretrain", "--train_data_dir", "/nonexistent", "--train_model", "sambay", "--depth", "8",
-                 "--train_name", "scaling_mup_rbase_varlen", "--ctx_len", "32768", "--dry_run"]) == 0
+                 "--train_name", "scaling_mup_rbase_varlen", "--ctx_len", "32768", "--dry_run", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["train_name_settings"] == {"parametrization": "mup++", "rope_base": 640000.0, "varlen": True}

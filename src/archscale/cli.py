@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from archscale.errors import UserError
+from archscale.progress import Progress, add_progress_flag
 from archscale.train.args import explicit_flags, parse_pretrain, pretrain_parser  # noqa: F401 (the CLI's API)
 
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
@@ -70,9 +71,10 @@ def cmd_prepare(argv: list[str]) -> int:
     p.add_argument("--num_workers", type=int, default=None, help="tokenizer processes (default: min(4, cores))")
     p.add_argument("--text_key", default="text", help="JSONL field / parquet column holding the text")
     p.add_argument("--seed", type=int, default=42)
+    add_progress_flag(p)
     a = p.parse_args(argv)
     kwargs = dict(val_fraction=a.val_fraction, chunk_size=a.chunk_size, max_length=a.max_length, shuffle=a.shuffle,
-                  text_key=a.text_key, seed=a.seed)
+                  text_key=a.text_key, seed=a.seed, progress=a.progress)
     if a.num_workers is not None:
         kwargs["num_workers"] = a.num_workers
     manifest = prepare(a.input, a.output_dir, a.tokenizer, **kwargs)
@@ -151,14 +153,18 @@ def cmd_export(argv: list[str]) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="hf: weight dtype")
     p.add_argument("--max_shard_size", default="5GB", help="hf: shard model.safetensors above this size")
     p.add_argument("--tokenizer", default=None, help="hf: override the run's recorded tokenizer")
+    add_progress_flag(p)
     a = p.parse_args(argv)
     fmt = a.format or ("safetensors" if a.out.endswith(".safetensors") else "hf")
     if fmt == "safetensors":
         from archscale.export.consolidate import consolidate
-        print(f"wrote {consolidate(a.checkpoint, a.out)}")
+        with Progress(show=a.progress).stage(f"export: consolidating {a.checkpoint} into {a.out}", log=False):
+            written = consolidate(a.checkpoint, a.out)
+        print(f"wrote {written}")
         return 0
     from archscale.export.hf_folder import export_hf
-    out = export_hf(a.checkpoint, a.out, dtype=a.dtype, max_shard_size=a.max_shard_size, tokenizer=a.tokenizer)
+    out = export_hf(a.checkpoint, a.out, dtype=a.dtype, max_shard_size=a.max_shard_size, tokenizer=a.tokenizer,
+                    progress=Progress(show=a.progress))
     print(f"wrote {out}")
     return 0
 
@@ -176,8 +182,10 @@ def cmd_quantize(argv: list[str]) -> int:
     p.add_argument("--method", required=True, choices=METHODS)
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     p.add_argument("--tokenizer", default=None, help="override the run's recorded tokenizer")
+    add_progress_flag(p)
     a = p.parse_args(argv)
-    recipe = quantize_checkpoint(a.checkpoint, a.method, a.out, tokenizer=a.tokenizer)
+    recipe = quantize_checkpoint(a.checkpoint, a.method, a.out, tokenizer=a.tokenizer,
+                                 progress=Progress(show=a.progress))
     print(f"wrote {a.out}: {a.method} ({recipe['library']}), {len(recipe['quantized'])} linear layers quantised"
           + (f", {len(recipe['skipped'])} kept in fp32" if recipe["skipped"] else ""))
     return 0

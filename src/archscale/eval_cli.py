@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from archscale.errors import UserError
+from archscale.progress import add_progress_flag
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,6 +29,11 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16 = autocast")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--quick", action="store_true",
+                   help="a few samples at short lengths (ppl 1x,2x on 4 batches; Phonebook 10 and 20 entries, 4 "
+                        "samples each; NIAH 2 samples at the training length): to see every task work on a CPU; "
+                        "explicit flags win")
+    add_progress_flag(p)
     p.add_argument("--protocol", default="native", choices=["native", "archscale", "archscale-strict"],
                    help="defaults of the flags left unset: archscale's own (native), ArchScale's (archscale; "
                         "falls back to offline name/key lists without the names/wonderwords packages), or "

@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 from archscale.errors import UserError
+from archscale.progress import Progress
 from archscale.quantize import METHODS, RECIPE_FILE, quantize_model, save_quantized
 
 
-def quantize_checkpoint(checkpoint: str | Path, method: str, out: str | Path, tokenizer: str | None = None) -> dict:
+def quantize_checkpoint(checkpoint: str | Path, method: str, out: str | Path, tokenizer: str | None = None,
+                        progress: Progress | None = None) -> dict:
     """Load any checkpoint / export, quantise it on CPU, write the folder. Returns the recipe written."""
     import torchao
 
@@ -23,8 +25,11 @@ def quantize_checkpoint(checkpoint: str | Path, method: str, out: str | Path, to
     fresh_out_dir(out)
     if exported_kind(checkpoint) == "quantized":
         raise UserError(f"--checkpoint {checkpoint}: already quantised; quantise the original checkpoint")
-    em = load_eval_model(checkpoint, device="cpu", tokenizer=tokenizer)
-    info = quantize_model(em.model, method)
+    progress = progress or Progress(show=False)
+    with progress.stage(f"quantize: loading {checkpoint}", log=False):
+        em = load_eval_model(checkpoint, device="cpu", tokenizer=tokenizer)
+    with progress.stage(f"quantize: {method} on the linear layers"):
+        info = quantize_model(em.model, method)
     recipe = {"method": method, "library": f"torchao {torchao.__version__}", "model": em.model.config.to_dict(),
               "source": str(checkpoint), **info}
 
@@ -34,5 +39,6 @@ def quantize_checkpoint(checkpoint: str | Path, method: str, out: str | Path, to
         (tmp / RUN_FILE).write_text(json.dumps(em.run_cfg, indent=2, default=str) + "\n")
         tokenizer_files(em.tokenizer, tmp, em.model.config.block_size)
 
-    write_atomically(out, fill)
+    with progress.stage(f"quantize: writing {out}"):
+        write_atomically(out, fill)
     return recipe

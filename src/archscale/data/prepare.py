@@ -16,7 +16,10 @@ piece as a document). Blank documents (only whitespace) are skipped and counted.
 
 Split. A document goes to validation iff blake2b(seed, file key, document index) / 2**64 < val_fraction, where the
 index is the line number (JSONL), the row number (Parquet) or 0 (.txt). The split therefore does not depend on the
-number of workers, the order of inputs, or on other documents.
+number of workers, the order of inputs, or on other documents. With 0 < val_fraction < 1 neither split is left
+empty: if no document's hash falls under val_fraction (a small corpus), the non-empty document of lowest hash goes
+to validation; if every one does, the one of highest hash goes to train (its unit is tokenized again; prepare says
+which document moved). A corpus of a single document is refused before any work (it cannot be split).
 
 Work units and outputs (`archscale.data.prepare_worker`). Files are grouped into *units*: consecutive files of one
 `--input` argument are packed together while the unit stays under `UNIT_BYTES` (bigger files are a unit on their
@@ -183,6 +186,9 @@ def prepare(
 
     files = list_input_files(list(inputs))
     tok = Tokenizer(tokenizer)
+    if 0 < val_fraction < 1 and _count_documents(files, text_key, stop=2) == 1:
+        raise UserError(f"--input {', '.join(str(x) for x in inputs)}: a single document cannot be split into train "
+                        f"and validation; add documents, or pass --val_fraction 0 (and train with --eval_iters 0)")
     dtype = auto_dtype(tok.vocab_size)
     units = make_units(files, UNIT_BYTES)
     out = _make_output_dir(output_dir)
@@ -193,6 +199,7 @@ def prepare(
     }
     check_settings(out, _settings(job, tok, files, units))
     records = _tokenize_pending(out, units, job, num_workers, tok, progress, log)
+    records = _fill_empty_split(out, units, records, job, tok, log)
 
     splits, manifest_inputs, skipped = _sum_records(units, records, files)
     n_docs = sum(splits[s]["documents"] for s in SPLITS)
@@ -205,10 +212,59 @@ def prepare(
     log(f"prepare: {out}: train {tr['documents']:,} documents, {tr['tokens']:,} tokens in {len(tr['files'])} "
         f"files; validation {va['documents']:,} documents, {va['tokens']:,} tokens in {len(va['files'])} files"
         + (f"; skipped {skipped:,} empty documents" if skipped else ""))
-    if val_fraction > 0 and va["documents"] == 0:
-        log(f"prepare: warning: no document fell into validation (--val_fraction {val_fraction} of {n_docs} "
-            f"documents); raise --val_fraction for a validation set")
     return manifest
+
+
+def _count_documents(files: list[InputFile], text_key: str, stop: int) -> int:
+    """Non-empty documents in `files`, counting no further than `stop` (so a big corpus costs a few reads)."""
+    n = 0
+    for f in files:
+        for _, text in iter_texts(f.path, text_key):
+            n += bool(text.strip())
+            if n >= stop:
+                return n
+    return n
+
+
+# split left empty by the hash rule -> (which end of the hash order moves into it, what the rule is called)
+_FILL = {"validation": ("lowest", "the document of lowest hash"),
+         "train": ("highest", "the document of highest hash")}
+
+
+def _fill_empty_split(out: Path, units: list[Unit], records: dict[str, dict], job: dict, tok: Tokenizer,
+                      log: Callable[[str], None]) -> dict[str, dict]:
+    """With 0 < val_fraction < 1 both splits get a document: when the hash rule (module docstring) leaves one
+    empty - a small corpus, a small fraction - the document nearest to that side of the threshold moves there
+    (lowest hash to validation, highest to train) and its unit is tokenized again. A function of the inputs and
+    settings only, so a re-run (or a resume) writes the same shards."""
+    if not 0 < job["val_fraction"] < 1:
+        return records
+    force: list[dict] = []
+    for split, (end, rule) in _FILL.items():
+        counts = {s: sum(r["splits"][s]["documents"] for r in records.values()) for s in SPLITS}
+        if counts[split] or sum(counts.values()) < 2:
+            continue
+        best = None  # (hash, unit, key, index)
+        for u in units:
+            for i in records[u.name]["inputs"]:
+                h = i.get(end)
+                if h is not None and (best is None or (h[0] < best[0]) == (end == "lowest")):
+                    best = (h[0], u, i["key"], h[1])
+        if best is None:
+            continue
+        _, unit, key, index = best
+        force.append({"key": key, "index": index, "split": split})
+        where = key if key.lower().endswith(".txt") else f"{key} item {index}"
+        log(f"prepare: no document's hash fell into {split} (--val_fraction {job['val_fraction']} of "
+            f"{sum(counts.values())} documents), so {rule} ({where}) goes there")
+        remove_manifest(out)
+        clean_unit(out, unit)
+
+        def done(u: Unit, rec: dict) -> None:
+            records[u.name] = rec
+
+        run_units([unit], {**job, "force": list(force)}, 1, tok, ProgressUI(False, 0, 0), done)
+    return records
 
 
 def _settings(job: dict, tok: Tokenizer, files: list[InputFile], units: list[Unit]) -> dict:

@@ -205,25 +205,46 @@ class _Spool:
         os.remove(self.path)
 
 
-def _split_chooser(val_fraction: float, seed: int) -> Callable[[str, int], str]:
-    """The split of document `index` of file `key`: a hash of (seed, key, index), so it depends on nothing else."""
+def document_hash(seed: int, key: str, index: int) -> int:
+    """The 64-bit hash that decides the split of document `index` of file `key`."""
+    return hash_u64(f"{seed}\x00{key}\x00{index}")
+
+
+def _split_chooser(val_fraction: float, seed: int, force: list | None = None) -> Callable[[str, int], str]:
+    """The split of document `index` of file `key`: a hash of (seed, key, index), so it depends on nothing else;
+    `force` ([{"key", "index", "split"}]) overrides it for the documents prepare() moved to keep a split non-empty."""
     threshold = math.floor(val_fraction * 2.0 ** 64)
+    forced = {(f["key"], f["index"]): f["split"] for f in force or ()}
 
     def split_of(key: str, index: int) -> str:
+        if (key, index) in forced:
+            return forced[(key, index)]
         if val_fraction <= 0:
             return "train"
         if val_fraction >= 1:
             return "validation"
-        return "validation" if hash_u64(f"{seed}\x00{key}\x00{index}") < threshold else "train"
+        return "validation" if document_hash(seed, key, index) < threshold else "train"
 
     return split_of
+
+
+def _note_extremes(stats: dict, seed: int, key: str, idxs: list[int]) -> None:
+    """Keep the file's non-empty documents of lowest and highest hash: prepare() moves one of them when a split
+    would otherwise stay empty."""
+    for idx in idxs:
+        h = document_hash(seed, key, idx)
+        if stats["lowest"] is None or h < stats["lowest"][0]:
+            stats["lowest"] = [h, idx]
+        if stats["highest"] is None or h > stats["highest"][0]:
+            stats["highest"] = [h, idx]
 
 
 def _tokenize_file(f: dict, tok: Tokenizer, job: dict, dtype: np.dtype, split_of: Callable[[str, int], str],
                    writers: dict[str, ShardWriter], spools: dict[str, _Spool] | None) -> dict:
     """Tokenize one input file into the unit's writers (or spools); return its counts."""
     max_length = job["max_length"]
-    stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS}, "skipped_empty": 0}
+    stats = {"documents": {s: 0 for s in SPLITS}, "tokens": {s: 0 for s in SPLITS}, "skipped_empty": 0,
+             "lowest": None, "highest": None}
     pending_bytes = 0
 
     def on_bytes(n: int) -> None:
@@ -239,6 +260,7 @@ def _tokenize_file(f: dict, tok: Tokenizer, job: dict, dtype: np.dtype, split_of
             else:
                 stats["skipped_empty"] += 1
         encoded = tok.encode_batch(texts, eos=False) if texts else []
+        _note_extremes(stats, job["seed"], f["key"], idxs)
         parts: dict[str, list[list[int]]] = {s: [] for s in SPLITS}
         for idx, ids in zip(idxs, encoded):
             split = split_of(f["key"], idx)
@@ -277,7 +299,7 @@ def process_unit(unit: dict, job: dict) -> dict:
     dtype = np.dtype(job["dtype"])
     name = unit["name"]
     seed = job["seed"]
-    split_of = _split_chooser(job["val_fraction"], seed)
+    split_of = _split_chooser(job["val_fraction"], seed, job.get("force"))
 
     writers = {s: ShardWriter(out, f"{s}_{name}", job["chunk_size"], dtype) for s in SPLITS}
     # With shuffle, documents go through disk: a unit may be too big to permute in memory.

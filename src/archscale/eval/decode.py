@@ -9,7 +9,7 @@ Neither path truncates the prompt to the training length: long-context tasks del
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -52,9 +52,11 @@ def greedy(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_id: int | 
 
 
 def greedy_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int | None = None,
-                 batch_size: int = 8, sampling: dict | None = None) -> list[list[int]]:
+                 batch_size: int = 8, sampling: dict | None = None,
+                 on_batch: Callable[[int], None] | None = None) -> list[list[int]]:
     """Greedy continuations of many prompts (same order as `prompts`); equal-length prompts share a batch.
-    `sampling` ({"temperature", "top_k", "top_p"}) samples instead, through `model.generate`."""
+    `sampling` ({"temperature", "top_k", "top_p"}) samples instead, through `model.generate`. `on_batch(n)` is
+    called after each batch with its number of prompts (progress)."""
     if max_new_tokens <= 0:
         return [[] for _ in prompts]
     device = next(model.parameters()).device
@@ -72,4 +74,6 @@ def greedy_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, e
             res = _greedy_tensor(model, idx, max_new_tokens, eos_id, sampling)
             for row, i in enumerate(chunk):
                 out[i] = _cut(res[row, length:length + max_new_tokens].tolist(), eos_id)
+            if on_batch is not None:
+                on_batch(len(chunk))
     return out  # type: ignore[return-value]

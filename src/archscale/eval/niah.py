@@ -37,6 +37,7 @@ from pathlib import Path
 
 from archscale.errors import UserError
 from archscale.eval.loading import read_user_text
+from archscale.progress import no_stage
 
 TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure to memorize it. "
             "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
@@ -247,8 +248,9 @@ def plan_niah(task: str, lengths: list[int], num_samples: int, count_tokens, see
 
 def evaluate_niah(task: str, generator, lengths: list[int], num_samples: int, count_tokens, seed: int = 42,
                   haystack_file: str | None = None, tokens_to_generate: int = TOKENS_TO_GENERATE,
-                  plan: dict | None = None) -> dict:
-    """`generator(prompts, max_new_tokens) -> list[str]`; per length the mean RULER score in [0, 1]."""
+                  plan: dict | None = None, stage=None, on_length=None) -> dict:
+    """`generator(prompts, max_new_tokens) -> list[str]`; per length the mean RULER score in [0, 1]. `stage` and
+    `on_length`: progress and partial results, as in phonebook.evaluate_phonebook."""
     plan = plan or plan_niah(task, lengths, num_samples, count_tokens, seed, haystack_file, tokens_to_generate)
     lengths = list(plan)
     check = getattr(generator, "check", None)
@@ -257,13 +259,17 @@ def evaluate_niah(task: str, generator, lengths: list[int], num_samples: int, co
     results = {}
     for n in lengths:
         samples = plan[n]
-        outputs = generator([s["prompt"] for s in samples], tokens_to_generate)
+        with (stage or no_stage)(f"{task} {n} tokens", len(samples), "samples") as bar:
+            outputs = generator([s["prompt"] for s in samples], tokens_to_generate,
+                                **({"on_batch": bar.advance} if stage else {}))
         preds = [postprocess_pred(o) for o in outputs]
         per = [string_match_all([p], [s["outputs"]]) for p, s in zip(preds, samples)]
         results[str(n)] = {"score": sum(per) / len(per), "samples": len(samples),
                            "mean_prompt_tokens": sum(s["length"] - tokens_to_generate for s in samples) / len(samples),
                            "haystack_units": samples[0]["haystack_units"],
                            "example_prediction": preds[0][:200], "example_answer": samples[0]["outputs"][0]}
+        if on_length is not None:
+            on_length(str(n), results[str(n)])
     type_haystack, _, type_v = TASKS[task]
     return {"metric": "string_match_all", "unit": "tokens", "haystack": type_haystack,
             "haystack_file": str(haystack_file or DEFAULT_ESSAY) if type_haystack == "essay" else None,

@@ -33,6 +33,7 @@ import statistics
 
 from archscale.errors import UserError
 from archscale.eval.names import capacity, full_name
+from archscale.progress import no_stage
 
 MAX_NEW_TOKENS = 20
 MEASUREMENTS = 4
@@ -122,9 +123,11 @@ def prompts_of(plan: dict) -> list[str]:
 
 
 def evaluate_phonebook(generator, lengths: list[int], seed: int = 42, num_batches: int = 4,
-                       batch_size: int = 10, plan: dict | None = None) -> dict:
+                       batch_size: int = 10, plan: dict | None = None, stage=None, on_length=None) -> dict:
     """`generator(prompts, max_new_tokens) -> list[str]` (the continuation text); it may have
-    `check(prompts, max_new_tokens, what)` raising UserError when a prompt is too long for the model."""
+    `check(prompts, max_new_tokens, what)` raising UserError when a prompt is too long for the model.
+    `stage(label, total)` (archscale.progress.Progress.stage) shows each length's progress (then the generator
+    gets `on_batch`); `on_length(n, result)` is called as each length finishes (partial results)."""
     plan = plan or plan_phonebook(lengths, seed, num_batches, batch_size)
     lengths, per_measurement = plan["lengths"], plan["per_measurement"]
     scoring = plan.get("scoring", "lenient")
@@ -138,8 +141,10 @@ def evaluate_phonebook(generator, lengths: list[int], seed: int = 42, num_batche
     for n in lengths:
         samples = [s for m in plan[n] for s in m]
         prompts = [s["prompt"] for s in samples]
-        outputs = generator(prompts, MAX_NEW_TOKENS, mark_eos=True) if scoring == "strict" else \
-            generator(prompts, MAX_NEW_TOKENS)
+        with (stage or no_stage)(f"phonebook {n} entries", len(prompts), "samples") as bar:
+            extra = {"on_batch": bar.advance} if stage else {}
+            outputs = generator(prompts, MAX_NEW_TOKENS, mark_eos=True, **extra) if scoring == "strict" else \
+                generator(prompts, MAX_NEW_TOKENS, **extra)
         k = 0
         accs = []
         for m in plan[n]:
@@ -151,6 +156,8 @@ def evaluate_phonebook(generator, lengths: list[int], seed: int = 42, num_batche
         results[str(n)] = {"mean": statistics.fmean(accs), "std": statistics.pstdev(accs), "measurements": accs,
                            "samples": len(samples), "example_prediction": extract_prediction(outputs[0], scoring),
                            "example_label": samples[0]["label"]}
+        if on_length is not None:
+            on_length(str(n), results[str(n)])
     return {"metric": "exact_match", "unit": "entries", "measurements": MEASUREMENTS,
             "batches_per_measurement": per_measurement, "batch_size": batch_size, "seed": seed,
             "max_new_tokens": MAX_NEW_TOKENS, **info, "lengths": results}

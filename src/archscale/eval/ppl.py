@@ -77,7 +77,7 @@ def archscale_batches(data_dir, block_size: int, batch_size: int, n_samples: int
 
 
 def validation_extrapolation(em, data_dir, factors: list[int], batch_size: int = 4,
-                             max_batches: int | None = None, selection: str = "all") -> dict:
+                             max_batches: int | None = None, selection: str = "all", on_batch=None) -> dict:
     """{"1x": {"context": T, "loss": .., "ppl": .., "tokens": n}, "2x": ...} on the run's validation shards,
     through the run's own forward (`em.forward`: document masking for --varlen runs, as the trainer validates).
     `selection`: "all" blocks in file order (at most `max_batches` batches), or "archscale" (its 200 samples)."""
@@ -109,6 +109,8 @@ def validation_extrapolation(em, data_dir, factors: list[int], batch_size: int =
         for k in factors:
             sums[k] += float(losses[:, :k * T].sum())
         count_samples += batch.shape[0]
+        if on_batch is not None:  # progress: samples done
+            on_batch(batch.shape[0])
     out = {}
     for k in factors:
         n = count_samples * k * T
@@ -118,6 +120,18 @@ def validation_extrapolation(em, data_dir, factors: list[int], batch_size: int =
     out["selection"] = selection
     out["masking"] = getattr(em, "masking", "none")
     return out
+
+
+def count_validation_samples(data_dir, block_size: int, batch_size: int, max_batches: int | None,
+                             selection: str) -> int:
+    """How many samples `validation_extrapolation` will read (0 when the shards hold no block): for the plan."""
+    from archscale.data.loader import _block_counts, _glob_shards
+
+    if selection == "archscale":
+        return ARCHSCALE_VAL_SAMPLES
+    files = _glob_shards(Path(data_dir), "validation")
+    total = int(_block_counts(files, block_size).sum()) if files else 0
+    return total if max_batches is None else min(total, max_batches * batch_size)
 
 
 def sliding_window_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:

@@ -11,7 +11,12 @@
   to our offline lists and says so in the results' `notes`.
 * `archscale-strict`: the same, but a missing package is an error (the numbers are then ArchScale's or none).
 
-An explicit flag always wins over its protocol default; the results record the protocol and every resolved value.
+`--quick` (any protocol): a few samples at short lengths, to see every task work on a CPU in about a minute (the
+scores are too noisy to compare models): ppl at 1x/2x on at most 4 batches, Phonebook at 10 and 20 entries with 4
+samples each (one per measurement), NIAH with 2 samples at the training length.
+
+An explicit flag always wins over `--quick` and the protocol default; the results record the protocol and every
+resolved value.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ DEFAULTS = {
                   "niah_keys": "wonderwords", "lm_eval_max_length": 4096},
 }
 DEFAULTS["archscale-strict"] = DEFAULTS["archscale"]
+for _d in DEFAULTS.values():
+    _d.setdefault("ppl_max_batches", None)  # None: every validation batch
+# --quick, on top of the protocol's defaults (explicit flags still win)
+QUICK = {"extrapolation": "1,2", "ppl_max_batches": 4, "min_eval_len": 10, "max_eval_len": 20, "eval_len_step": 10,
+         "eval_num_batches": 4, "phonebook_batch_size": 1, "niah_samples": 2, "max_seq_lengths": None}
 
 
 def _available(module: str) -> bool:
@@ -48,6 +58,8 @@ def resolve(args, train_len: int, varlen: bool, needs: set[str]) -> tuple[dict, 
     if protocol not in PROTOCOLS:
         raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     out = dict(DEFAULTS[protocol])
+    if getattr(args, "quick", False):
+        out.update(QUICK)
     for key in out:
         given = getattr(args, key, None)
         if given is not None:

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from archscale.errors import UserError
+from archscale.progress import Progress
 
 BUILTIN = ("ppl", "phonebook", "niah_single_1", "niah_single_2", "niah_single_3")
 DEFAULT_EXTRAPOLATION_LIMIT = 4
@@ -80,7 +81,8 @@ class ModelTextGenerator:
                             f"{self.limit} tokens allowed ({self.limit_why}); use shorter lengths or raise "
                             f"--max_length")
 
-    def __call__(self, prompts: list[str], max_new_tokens: int, mark_eos: bool = False) -> list[str]:
+    def __call__(self, prompts: list[str], max_new_tokens: int, mark_eos: bool = False,
+                 on_batch=None) -> list[str]:
         """Continuations cut before EOS; with `mark_eos` a generated EOS is kept as phonebook.EOS_MARK (a
         continuation shorter than `max_new_tokens` ended at EOS), as a decoder that keeps special tokens shows it."""
         from archscale.eval.decode import greedy_batch
@@ -88,7 +90,8 @@ class ModelTextGenerator:
 
         ids = [self.encode(p) for p in prompts]
         with self.em.autocast():
-            outs = greedy_batch(self.em.model, ids, max_new_tokens, self.em.tokenizer.eos_id, self.batch_size)
+            outs = greedy_batch(self.em.model, ids, max_new_tokens, self.em.tokenizer.eos_id, self.batch_size,
+                                on_batch=on_batch)
         for p in prompts:
             self._cache.pop(p, None)
         return [self.em.tokenizer.decode(o) + (EOS_MARK if mark_eos and len(o) < max_new_tokens else "")
@@ -205,7 +208,12 @@ def plan_builtin(args, st: dict, em, gen: ModelTextGenerator, builtin: list[str]
         window = args.window or T
         if args.ppl_file and window > limit:
             raise UserError(f"--window {window} is longer than the {limit} tokens allowed ({why})")
-        plans["ppl"] = {"factors": factors, "window": window, "val_dir": validation_dir(em, args.val_data_dir)}
+        from archscale.eval.ppl import count_validation_samples
+
+        val_dir = validation_dir(em, args.val_data_dir)
+        samples = count_validation_samples(val_dir, factors[-1] * T + 1, args.batch_size, st["ppl_max_batches"],
+                                           st["ppl_selection"])
+        plans["ppl"] = {"factors": factors, "window": window, "val_dir": val_dir, "samples": samples}
     if "phonebook" in builtin:
         from archscale.eval.phonebook import MAX_NEW_TOKENS, lengths_from, plan_phonebook, prompts_of
 
@@ -223,30 +231,36 @@ def plan_builtin(args, st: dict, em, gen: ModelTextGenerator, builtin: list[str]
     return plans
 
 
-def run_builtin(args, st: dict, em, gen: ModelTextGenerator, plans: dict, timed) -> None:
+def run_builtin(args, st: dict, em, gen: ModelTextGenerator, plans: dict, timed, progress, partial) -> None:
+    """Run the planned built-in tasks; `partial(task)` is the `on_length` that records a task's finished lengths."""
     if "ppl" in plans:
         from archscale.eval.ppl import sliding_window_ppl, validation_extrapolation
 
         p = plans["ppl"]
 
         def ppl():
-            r = {"validation": validation_extrapolation(em, p["val_dir"], p["factors"], args.batch_size,
-                                                        args.ppl_max_batches, st["ppl_selection"]),
-                 "val_data_dir": str(p["val_dir"])}
+            with progress.stage(f"ppl {','.join(f'{k}x' for k in p['factors'])}", p["samples"], "samples") as bar:
+                r = {"validation": validation_extrapolation(em, p["val_dir"], p["factors"], args.batch_size,
+                                                            st["ppl_max_batches"], st["ppl_selection"],
+                                                            on_batch=bar.advance),
+                     "val_data_dir": str(p["val_dir"])}
             if args.ppl_file:
                 stride = args.stride or max(1, p["window"] // 2)
-                r["file"] = sliding_window_ppl(em, args.ppl_file, p["window"], stride, args.batch_size)
+                with progress.stage(f"ppl {args.ppl_file}"):
+                    r["file"] = sliding_window_ppl(em, args.ppl_file, p["window"], stride, args.batch_size)
             return r
         timed("ppl", ppl)
     if "phonebook" in plans:
         from archscale.eval.phonebook import evaluate_phonebook
 
-        timed("phonebook", lambda: evaluate_phonebook(gen, [], plan=plans["phonebook"]))
+        timed("phonebook", lambda: evaluate_phonebook(gen, [], plan=plans["phonebook"], stage=progress.stage,
+                                                      on_length=partial("phonebook")))
     for task in [t for t in plans if t.startswith("niah_")]:
         from archscale.eval.niah import evaluate_niah
 
         timed(task, lambda task=task: evaluate_niah(task, gen, [], 0, None, args.seed, args.haystack_file,
-                                                    plan=plans[task]))
+                                                    plan=plans[task], stage=progress.stage,
+                                                    on_length=partial(task)))
 
 
 def lm_eval_metadata(args, st: dict) -> dict:
@@ -264,9 +278,11 @@ def lm_eval_metadata(args, st: dict) -> dict:
     return meta
 
 
-def result_document(args, em, st: dict, notes: list[str], limit: int, results: dict, timings: dict) -> dict:
+def result_document(args, em, st: dict, notes: list[str], limit: int, results: dict, timings: dict,
+                    complete: bool = True) -> dict:
     plan = em.run_cfg.get("plan") or {}
     return {
+        "complete": complete,  # False while tasks run: the file then holds the lengths finished so far
         "checkpoint": str(em.step_dir.resolve()) if em.step_dir else None,
         "run_dir": str(em.run_dir.resolve()) if em.run_dir else None,
         "run_name": plan.get("run_name") or (em.run_dir.name if em.run_dir else None),
@@ -305,29 +321,53 @@ def run(args) -> dict:
     gen = ModelTextGenerator(em, args.batch_size, limit, why)
     results: dict = {}
     timings: dict = {}
+    progress = Progress(show=getattr(args, "progress", True))
 
     def timed(name, fn):
         t0 = time.perf_counter()
-        print(f"eval: {name} ...", file=sys.stderr, flush=True)
         results[name] = fn()
         timings[name] = round(time.perf_counter() - t0, 2)
+        write_results(out_path, result_document(args, em, st, notes, limit, results, timings, complete=False))
+
+    def partial(task):
+        """on_length of `task`: its finished lengths go to the output file at once (an interrupt keeps them)."""
+        done: dict = {}
+
+        def on_length(n: str, result: dict) -> None:
+            done[n] = result
+            results[task] = {"partial": True, "lengths": dict(done)}
+            write_results(out_path, result_document(args, em, st, notes, limit, results, timings, complete=False))
+        return on_length
 
     plans = plan_builtin(args, st, em, gen, builtin)
     meta = lm_eval_metadata(args, st) if lm_tasks else {}
-    run_builtin(args, st, em, gen, plans, timed)
+    from archscale.eval.estimate import plan_lines
+
+    for line in plan_lines(em, args, plans, lm_tasks, lambda text: len(gen.encode(text)), measure=progress.show):
+        progress.line(line)
+    run_builtin(args, st, em, gen, plans, timed, progress, partial)
     if lm_tasks:
         include = list(args.lm_eval_include or []) + default_lm_eval_include()
         max_length = args.max_length or st["lm_eval_max_length"] or em.train_len
-        timed("lm_eval", lambda: run_lm_eval(em, lm_tasks, include, args.batch_size, max_length,
-                                             args.lm_eval_limit, args.num_fewshot, args.seed, meta))
+
+        def lm():
+            with progress.stage(f"lm_eval {','.join(lm_tasks)}"):
+                return run_lm_eval(em, lm_tasks, include, args.batch_size, max_length, args.lm_eval_limit,
+                                   args.num_fewshot, args.seed, meta)
+        timed("lm_eval", lm)
         notes.extend(results["lm_eval"].get("notes", []))
     doc = result_document(args, em, st, notes, limit, results, timings)
+    write_results(out_path, doc)
+    return doc
+
+
+def write_results(out_path: Path, doc: dict) -> None:
+    """Atomically (a reader never sees half a file; an interrupt leaves the previous version)."""
     if out_path.parent and not out_path.parent.exists():
         out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     os.replace(tmp, out_path)
-    return doc
 
 
 def summary_lines(doc: dict) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from archscale.errors import UserError
+from archscale.progress import Progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RUN_FILE = "archscale_run.json"
@@ -135,24 +136,35 @@ def _build_hf_model(model, tokenizer, dtype: torch.dtype):
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", max_shard_size: str = "5GB",
-              tokenizer: str | None = None) -> Path:
+              tokenizer: str | None = None, progress: Progress | None = None) -> Path:
     """Write the folder; returns its path. `checkpoint`: a run dir, checkpoints/ dir or step dir."""
     from archscale.eval.loading import load_eval_model
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     out = fresh_out_dir(out)
-    return write_hf_folder(load_eval_model(checkpoint, device="cpu", tokenizer=tokenizer), out, dtype,
-                           max_shard_size)
+    progress = progress or Progress(show=False)
+    with progress.stage(f"export: loading {checkpoint}", log=False):
+        em = load_eval_model(checkpoint, device="cpu", tokenizer=tokenizer)
+    return write_hf_folder(em, out, dtype, max_shard_size, progress)
 
 
-def write_hf_folder(em, out: str | Path, dtype: str = "fp32", max_shard_size: str = "5GB") -> Path:
+def write_hf_folder(em, out: str | Path, dtype: str = "fp32", max_shard_size: str = "5GB",
+                    progress: Progress | None = None) -> Path:
     """The folder for an `EvalModel` (model + tokenizer + run config), written atomically."""
     fresh_out_dir(out)
-    kind, hf = _build_hf_model(em.model, em.tokenizer, DTYPES[dtype])
+    progress = progress or Progress(show=False)
+    with progress.stage(f"export: converting to a transformers model ({dtype})"):
+        kind, hf = _build_hf_model(em.model, em.tokenizer, DTYPES[dtype])
 
     def fill(tmp: Path) -> None:
-        hf.save_pretrained(tmp, max_shard_size=max_shard_size)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our stage line names the step; --progress false means no output
+        try:
+            hf.save_pretrained(tmp, max_shard_size=max_shard_size)
+        finally:
+            hf_logging.enable_progress_bar()
         if kind == "archscale":
             from archscale.export.hf_model import (CONFIGURATION_FILE, CONFIGURATION_SOURCE, MODELING_FILE,
                                                    MODELING_SOURCE)
@@ -162,4 +174,5 @@ def write_hf_folder(em, out: str | Path, dtype: str = "fp32", max_shard_size: st
         (tmp / RUN_FILE).write_text(json.dumps(em.run_cfg, indent=2, default=str) + "\n")
         (tmp / "README.md").write_text(model_card(em, em.model.config, kind, dtype))
 
-    return write_atomically(out, fill)
+    with progress.stage(f"export: writing {out}"):
+        return write_atomically(out, fill)

@@ -29,6 +29,8 @@ def reason_parser():
     p.add_argument("--output", default=None, help="summary JSON (default: reason-<task>.json); items beside it")
     p.add_argument("--items", default=None, help="per-item JSONL (default: <output>.items.jsonl)")
     p.add_argument("--run_name", default=None, help="the series name in `archscale report`")
+    from archscale.progress import add_progress_flag
+    add_progress_flag(p)
     return p
 
 
@@ -53,7 +55,8 @@ def reason_main(argv: list[str]) -> int:
         completer = checkpoint_completer(a.checkpoint, a.tokenizer, a.device, a.max_tokens, temperature, task.stop,
                                          a.seed)
         source = a.checkpoint
-    rows, summary = run_reason(task, items, completer, a.samples)
+    from archscale.progress import Progress
+    rows, summary = run_reason(task, items, completer, a.samples, Progress(show=a.progress))
     summary.update(temperature=temperature, max_tokens=a.max_tokens, data=str(a.data), source=source)
     run_name = a.run_name or (completer.info["model"] if a.endpoint else Path(a.checkpoint).resolve().name)
     doc = {"run_name": run_name, "task": task.name, "results": {"reason": {task.name: summary}}}

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from archscale.errors import UserError
+from archscale.progress import Progress
 from archscale.reason.tasks import Task, check_item, extract, gold_for, is_correct, prompt_for
 
 # prompts, n samples each -> n completions per prompt
@@ -85,7 +86,7 @@ def endpoint_completer(url: str, model: str | None, max_tokens: int, temperature
     base = base if base.endswith("/v1") else base + "/v1"
     info = {"model": model}
 
-    async def run(prompts: list[str], n: int) -> list[list[str]]:
+    async def run(prompts: list[str], n: int, on_done=None) -> list[list[str]]:
         async with httpx.AsyncClient(timeout=3600) as client:
             name = info["model"] = model or await discover_model(client, base)
             gate = asyncio.Semaphore(concurrency)
@@ -103,12 +104,14 @@ def endpoint_completer(url: str, model: str | None, max_tokens: int, temperature
                 if r.status_code != 200:
                     raise UserError(f"--endpoint {url}: HTTP {r.status_code}: {r.text[:300]}")
                 choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+                if on_done is not None:  # progress: samples done
+                    on_done(len(choices))
                 return [c["text"] for c in choices]
 
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
-    def complete(prompts: list[str], n: int) -> list[list[str]]:
-        return asyncio.run(run(prompts, n))
+    def complete(prompts: list[str], n: int, on_done=None) -> list[list[str]]:
+        return asyncio.run(run(prompts, n, on_done))
 
     complete.info = info  # the model id the server answered with, once run
     return complete
@@ -122,7 +125,7 @@ def checkpoint_completer(checkpoint: str, tokenizer: str | None, device: str | N
 
     sm = load_served_model(checkpoint, tokenizer, device)
 
-    def run(prompts: list[str], n: int) -> list[list[str]]:
+    def run(prompts: list[str], n: int, on_done=None) -> list[list[str]]:
         ids = [sm.tokenizer.encode(p, bos=False, eos=False) or [sm.tokenizer.eos_id] for p in prompts]
         max_len = max(len(x) for x in ids) + max_tokens
         engine = Engine(sm.model, sm.tokenizer, max_batch=max_batch, max_queue=len(prompts) * n,
@@ -141,6 +144,8 @@ def checkpoint_completer(checkpoint: str, tokenizer: str | None, device: str | N
                         if ev.error:
                             errors.append(ev.error)
                         left[0] -= 1
+                        if on_done is not None:  # progress: samples done
+                            on_done(1)
                         if left[0] == 0:
                             done.set()
             return emit
@@ -160,8 +165,15 @@ def checkpoint_completer(checkpoint: str, tokenizer: str | None, device: str | N
     return run
 
 
-def run_reason(task: Task, items: list[dict], completer: Completer, samples: int) -> tuple[list[dict], dict]:
-    completions = completer([prompt_for(task, it) for it in items], samples)
+def run_reason(task: Task, items: list[dict], completer: Completer, samples: int,
+               progress: Progress | None = None) -> tuple[list[dict], dict]:
+    """Sample and score; with `progress`, a bar of samples done (the completer then gets `on_done`)."""
+    prompts = [prompt_for(task, it) for it in items]
+    if progress is None:
+        completions = completer(prompts, samples)
+    else:
+        with progress.stage(f"reason {task.name}", len(items) * samples, "samples") as bar:
+            completions = completer(prompts, samples, on_done=bar.advance)
     return score(task, items, completions, samples)
 
 

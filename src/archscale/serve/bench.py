@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from archscale.errors import UserError
+from archscale.progress import Progress, add_progress_flag
 
 
 class _Parser(argparse.ArgumentParser):
@@ -128,7 +129,8 @@ def summarize(results: list[RequestResult], wall: float, concurrency: int) -> di
 
 
 async def run_load(base_url: str, model: str | None, concurrency: int, duration: float, max_tokens: int,
-                   prompts: list[str], temperature: float = 0.0, ignore_eos: bool = True, timeout: float = 600.0) -> dict:
+                   prompts: list[str], temperature: float = 0.0, ignore_eos: bool = True, timeout: float = 600.0,
+                   progress: Progress | None = None) -> dict:
     import httpx
 
     base = base_url.rstrip("/")
@@ -153,7 +155,14 @@ async def run_load(base_url: str, model: str | None, concurrency: int, duration:
                 results.append(await one_request(client, f"{base}/completions",
                                                  {**body, "prompt": prompts[i % len(prompts)]}))
 
-        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        with (progress or Progress(show=False)).stage(f"bench-serve {model}", duration, "s") as bar:
+            async def show_time_left():  # the bar's "left" is the load's time left
+                while time.perf_counter() < deadline:
+                    bar.update(completed=min(duration, time.perf_counter() - start), note=f"{len(results)} requests")
+                    await asyncio.sleep(0.25)
+                bar.update(completed=duration, note=f"{len(results)} requests")
+
+            await asyncio.gather(show_time_left(), *(client_loop() for _ in range(concurrency)))
         wall = time.perf_counter() - start
     doc = summarize(results, wall, concurrency)
     doc.update(url=base_url, model=model, max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos)
@@ -204,6 +213,7 @@ def bench_parser():
     p.add_argument("--no_ignore_eos", action="store_true",
                    help="do not send vLLM's `ignore_eos` (needed for servers that reject unknown fields)")
     p.add_argument("--output", default=None, help="also write the JSON here")
+    add_progress_flag(p)
     return p
 
 
@@ -212,7 +222,8 @@ def bench_cli(argv: list[str]) -> int:
     if a.concurrency < 1 or a.max_tokens < 1 or a.duration <= 0:
         raise UserError("--concurrency and --max_tokens must be at least 1, --duration positive")
     doc = asyncio.run(run_load(a.url, a.model, a.concurrency, a.duration, a.max_tokens, read_prompts(a.prompts),
-                               temperature=a.temperature, ignore_eos=not a.no_ignore_eos))
+                               temperature=a.temperature, ignore_eos=not a.no_ignore_eos,
+                               progress=Progress(show=a.progress)))
     if doc["requests"] == 0:
         raise UserError(f"--url {a.url}: no request succeeded ({'; '.join(doc['errors']) or 'none finished'})")
     print_table(doc)

@@ -40,6 +40,8 @@ def sweep_main(argv: list[str]) -> int:
     p.add_argument("--gpus_per_node", type=int, default=8, help="--emit: processes (GPUs) per node")
     p.add_argument("--partition", default=None, help="--emit slurm: #SBATCH --partition")
     p.add_argument("--account", default=None, help="--emit slurm: #SBATCH --account")
+    from archscale.progress import Progress, add_progress_flag
+    add_progress_flag(p)
     a = p.parse_args(argv)
     study = load_study(a.study, a.out_dir, set_flags=parse_assignments(a.set, "--set"),
                        grid_flags=parse_assignments(a.grid, "--grid", as_list=True))
@@ -65,7 +67,7 @@ def sweep_main(argv: list[str]) -> int:
         return 0
     try:
         status = run_study(study, parallel=a.parallel, threads=a.threads, resume=a.resume, timeout=a.timeout,
-                           kill_grace=a.kill_grace, only=a.only)
+                           kill_grace=a.kill_grace, only=a.only, progress=Progress(show=a.progress))
     except KeyboardInterrupt:
         print("\n".join(summary_lines(study, read_status(study.out_dir))))
         raise

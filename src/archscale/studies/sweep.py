@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from archscale.errors import UserError
+from archscale.progress import Progress
 
 # keys of a run entry (or of the study file) that are not pretrain flags
 RUN_KEYS = {"name", "timeout", "description", "threads"}
@@ -383,6 +384,10 @@ class _Runner:
             elif a.term_sent is not None and t > a.term_sent + self.kill_grace:
                 self.signal_group(a, signal.SIGKILL)
 
+    def current(self) -> str:
+        """The running runs and the last step each logged (its metrics.csv), for the progress bar."""
+        return ", ".join(f"{a.run.name} step {_last_step(Path(a.run.out_dir))}" for a in self.active)
+
     def stop_all(self, queue: list[Run]) -> None:
         """Interrupted: SIGTERM every child (each saves a checkpoint), SIGKILL what outlives the grace period."""
         self.echo(f"[sweep] interrupted: stopping {len(self.active)} run(s) (they save a checkpoint; re-run to "
@@ -434,8 +439,9 @@ def _runs_to_do(study: Study, status: dict, resume: str, only: Optional[list[str
 def run_study(study: Study, parallel: Optional[int] = None, threads: Optional[int] = None,
               resume: str = "auto", timeout: Optional[float] = None, kill_grace: float = 30.0,
               only: Optional[list[str]] = None, echo: Callable[[str], None] = print,
-              poll: float = 0.2) -> dict:
-    """Run every unfinished run; returns the status dict (also in STUDY_DIR/study.json)."""
+              poll: float = 0.2, progress: Optional[Progress] = None) -> dict:
+    """Run every unfinished run; returns the status dict (also in STUDY_DIR/study.json). `progress`: a bar of
+    runs done / to do, naming the running ones with their last logged step."""
     if resume not in ("auto", "none"):
         raise UserError(f"--resume {resume!r}: a sweep resumes with `auto` (skip finished runs, continue the "
                         "others) or starts fresh with `none`")
@@ -459,17 +465,20 @@ def run_study(study: Study, parallel: Optional[int] = None, threads: Optional[in
         for sig in (signal.SIGINT, signal.SIGTERM):
             old_handlers[sig] = signal.signal(sig, _raise_interrupt)
     try:
-        while queue or runner.active:
-            while queue and len(runner.active) < parallel:
-                r = queue.pop(0)
-                try:
-                    runner.launch(r)
-                except OSError as e:  # the command itself cannot start
-                    status["runs"][r.name].update(status="error", error=str(e), finished=now())
-                    write_status(out, status)
-                    echo(f"[sweep] {r.name}: error: {e}")
-            time.sleep(poll)
-            runner.watch()
+        with (progress or Progress(show=False)).stage(f"sweep {study.name}", len(queue), "runs") as bar:
+            total = len(queue)
+            while queue or runner.active:
+                while queue and len(runner.active) < parallel:
+                    r = queue.pop(0)
+                    try:
+                        runner.launch(r)
+                    except OSError as e:  # the command itself cannot start
+                        status["runs"][r.name].update(status="error", error=str(e), finished=now())
+                        write_status(out, status)
+                        echo(f"[sweep] {r.name}: error: {e}")
+                time.sleep(poll)
+                runner.watch()
+                bar.update(completed=total - len(queue) - len(runner.active), note=runner.current())
     except KeyboardInterrupt:
         runner.stop_all(queue)
         raise
@@ -479,6 +488,18 @@ def run_study(study: Study, parallel: Optional[int] = None, threads: Optional[in
     status["updated"] = now()
     write_status(out, status)
     return status
+
+
+def _last_step(run_dir: Path) -> str:
+    """The step of metrics.csv's last row ("-" before the first), reading only the file's end."""
+    try:
+        with open(run_dir / "metrics.csv", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            last = f.read().decode("utf-8", "replace").strip().splitlines()[-1]
+    except (OSError, IndexError):
+        return "-"
+    step = last.split(",", 1)[0]
+    return step if step.isdigit() else "-"
 
 
 def _alive(pid) -> bool:

@@ -81,7 +81,8 @@ class PretrainConfig:
     monitor_interval: float = 0.0  # seconds between system samples (CPU %, RAM, per-GPU util/mem/temp); 0 = off
     monitor_console: bool = False  # also print each system sample on the console (default: system.csv/loggers only)
     wandb_project: str = "archscale"  # W&B project (with --logger wandb)
-    dry_run: bool = False  # print the fully resolved plan as JSON and exit (no data needed with --vocab_size)
+    dry_run: bool = False  # print the fully resolved plan as a table and exit (no data needed with --vocab_size)
+    json: bool = False  # with --dry_run: print the plan as JSON instead of a table
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")

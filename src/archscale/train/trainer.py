@@ -211,10 +211,30 @@ def dry_run_notes(cfg: PretrainConfig) -> list[str]:
 
 
 def print_dry_run(cfg: PretrainConfig, explicit: set[str] = frozenset()) -> None:
-    """`--dry_run`: the JSON plan on stdout (warnings go to stderr so stdout stays parseable)."""
+    """`--dry_run`: the plan on stdout as a table (`--json`: as JSON); warnings go to stderr so stdout stays
+    parseable."""
+    from archscale.train.dry_run_table import render_dry_run
+
     summary = dry_run_summary(cfg, explicit, world_size=int(os.environ.get("WORLD_SIZE", "1")),
                               warn=lambda msg: print(msg, file=sys.stderr))
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2) if cfg.json else render_dry_run(summary))
+
+
+def missing_default_validation(cfg: PretrainConfig, block_size: int) -> Optional[str]:
+    """Why the training folder, validation's default place, has no validation block (None: it has one, or
+    --val_data_dir names a folder, whose problems stay errors). `prepare` gives every split a document, but a
+    --val_fraction 0 corpus, or one validation document shorter than a block, leaves none."""
+    from archscale.data.loader import _block_counts, _glob_shards
+
+    if cfg.val_data_dir or synthetic_kind(cfg.train_data_dir) or not Path(cfg.train_data_dir).is_dir():
+        return None
+    files = _glob_shards(Path(cfg.train_data_dir), "validation")
+    if not files:
+        return f"no validation*.bin in {cfg.train_data_dir}"
+    if int(_block_counts(files, block_size).sum()) == 0:
+        return (f"{cfg.train_data_dir}/validation*.bin holds fewer than one block of {block_size} tokens "
+                f"(--ctx_len {cfg.ctx_len} + 1)")
+    return None
 
 
 def resolved_yaml(cfg: PretrainConfig, plan: Plan, model_cfg: ModelConfig) -> str:
@@ -616,7 +636,13 @@ class Trainer:
         self.curriculum = parse_curriculum(cfg.curriculum, cfg.ctx_len)  # None: always --ctx_len
         self.eval_forward = make_forward(cfg, eos_id)
         self.val_batches, self.val_pad, self.val_filler = [], 0, None
-        if cfg.eval_iters > 0:
+        self.validating = cfg.eval_iters > 0
+        missing = missing_default_validation(cfg, block) if self.validating else None
+        if missing:
+            self.log(f"warning: {missing}; training without validation (val_loss stays empty); pass --eval_iters 0 "
+                     "to say so, or --val_data_dir DIR")
+            self.validating = False
+        if self.validating:
             val_dir = cfg.val_data_dir or cfg.train_data_dir
             val_kind = synthetic_kind(val_dir)
             everything = (synthetic_validation_batches(val_kind, vocab_size=self.plan.vocab_size, block_size=block,
@@ -774,7 +800,7 @@ class Trainer:
     def fit(self, on_step: Optional[Callable[[int], None]] = None) -> Path:
         cfg, env, state = self.cfg, self.env, self.state
         val_loss = None
-        if self.resume_from is None and cfg.eval_iters > 0:  # sanity pass: the curve's first point is the init loss
+        if self.resume_from is None and self.validating:  # sanity pass: the curve's first point is the init loss
             val_loss = self.validate_now()
             if self.metrics is not None:
                 self.metrics.write(step=0, tokens=0, val_loss=val_loss)
@@ -793,7 +819,7 @@ class Trainer:
                     self._on_nonfinite(result)
                 is_last = state.step == last_step
                 val_loss = None
-                if cfg.eval_iters > 0 and (state.step % cfg.eval_interval == 0 or is_last):
+                if self.validating and (state.step % cfg.eval_interval == 0 or is_last):
                     val_loss = self.validate_now()
                 self._report(result, val_loss, state.step % cfg.log_interval == 0 or is_last or val_loss is not None,
                              window, progress)
