@@ -46,17 +46,30 @@ class Verdict:
 
 
 def check_information_flows(model, vocab: int = VOCAB, T: int = 23, t: int = 11) -> str:
-    """Change token t: logits before t must not move (causality, bit-exact), logits at every later position must
-    (a recurrent model's influence may decay to ~1e-8 after a few positions at its initial dt: any change counts)."""
+    """Change token t: logits before t must not move (causality), logits at every later position must (a
+    recurrent model's influence may decay to ~1e-8 after a few positions at its initial dt: any change counts).
+    Past logits must be bit-identical, except where tokens are routed (a mixture of experts: parameters one token
+    only partly uses), whose grouped expert matmuls change their summation order when one token changes experts:
+    there within 1e-6 of the logits' scale (seen: 5e-7)."""
     idx = torch.randint(0, vocab, (2, T))
     other = idx.clone()
     other[:, t] = (other[:, t] + 1) % vocab
     with torch.no_grad():
         a, b = model(idx), model(other)
-    _require(torch.equal(a[:, :t], b[:, :t]), "a past position saw a future token")
+    grouped = _routes_tokens(model)
+    leak = (a[:, :t] - b[:, :t]).abs().max().item()
+    _require(leak <= (1e-6 * a.abs().max().item() if grouped else 0.0),
+             f"a past position saw a future token (its logits moved by {leak:.1e})")
     moved = (a[:, t + 1:] - b[:, t + 1:]).abs().amax(dim=(0, 2))
     _require(bool((moved > 0).all()), f"positions after the change did not see it: {moved.tolist()}")
     return f"causal; every later position moved (smallest change {moved.min().item():.1e})"
+
+
+def _routes_tokens(model) -> bool:
+    from archscale.models import accounting
+
+    config = getattr(model, "config", None)
+    return config is not None and any(accounting.active_fraction(config, n) < 1 for n, _ in model.named_parameters())
 
 
 def check_every_parameter_learns(model, vocab: int = VOCAB, T: int = 24) -> str:
