@@ -86,6 +86,9 @@ def test_synthetic_law_recovers_b_E_and_the_crossover(tmp_path):
     assert cr["ci"][1] / cr["ci"][0] < 1.3 and abs(np.log10(cr["at"] / cross)) < 0.05
     # the noise floor is the seed spread (sigma 0.004), and the big gaps at the ends are called, with the winner
     assert 0.002 < cmp["noise_floor"] < 0.01
+    true_gap = law(*truth["sambay"], xs) - law(*truth["transformer"], xs)
+    covered = [g["ci"][0] <= t <= g["ci"][1] for g, t in zip(cmp["gaps"], true_gap)]
+    assert sum(covered) >= 6 and all(0 < g["ci"][1] - g["ci"][0] < 0.02 for g in cmp["gaps"]), cmp["gaps"]
     first, last = cmp["gaps"][0], cmp["gaps"][-1]
     assert first["called"] and first["gap"] > 0 and last["called"] and last["gap"] < 0
     assert "transformer is lower" in cmp["verdict"] and "sambay is lower" in cmp["verdict"]
