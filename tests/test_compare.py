@@ -155,8 +155,13 @@ def test_one_seed_two_sizes_and_failed_runs_get_honest_refusals(tmp_path):
     for r, x, y in zip(runs, (1e12, 1.1e12, 1e13, 1.1e13), (3.0, 3.1, 2.7, 2.6)):
         write_run(Path(r.out_dir), x, [y])
     record(out, {names[0]: "success", names[1]: "success", names[2]: "success", names[3]: "timeout"})
+    (Path(runs[0].out_dir) / "eval.json").write_text(json.dumps({"results": {
+        "ppl": {"validation": {"1x": {"loss": 3.0, "ppl": 20.09}, "2x": {"loss": 3.2, "ppl": 24.5}}},
+        "phonebook": {"lengths": {"10": {"mean": 0.5, "std": 0.1}, "20": {"mean": 0.3, "std": 0.1}}}}}))
     rep = write_report(out, n_bootstrap=50)
     text = rep["md"].read_text()
+    assert rep["rows"][0]["eval"] == {"ppl@1x": 20.09, "ppl@2x": 24.5, "phonebook": pytest.approx(0.4)}
+    assert "| ppl@1x" in text and "| 20.09" in text
     for arch in ("transformer", "sambay"):
         assert rep["fits"][arch]["fit"] is None and "needs at least 3" in rep["fits"][arch]["refused"]
     assert "refused: 2 size(s)" in text and "refused: 1 size(s)" in text
@@ -253,9 +258,10 @@ def test_compare_runs_survives_kill_9_and_resumes(dataset, tmp_path):
     out = tmp_path / "cmp"
     cmd = [sys.executable, "-m", "archscale.cli", "compare", "--archs", "transformer,transformerls",
            "--depths", "1,2,3", "--seeds", "1", "--train_data_dir", str(dataset), "--ar", "16",
-           "--budget", "max_tokens=6400", "--out_dir", str(out), "--threads", "1", "--bootstrap", "50"]
+           "--budget", "max_tokens=3840", "--out_dir", str(out), "--threads", "1", "--bootstrap", "50",
+           "--eval", "ppl"]
     for flag in ("ctx_len=64", "micro_bsz=2", "base_hps.b0=128", "base_hps.warmup_tokens0=256", "eval_interval=10",
-                 "eval_iters=2", "log_interval=10", "save_interval=5", "precision=fp32"):
+                 "eval_iters=2", "log_interval=10", "save_interval=10", "precision=fp32"):
         cmd += ["--set", flag]
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -276,9 +282,12 @@ def test_compare_runs_survives_kill_9_and_resumes(dataset, tmp_path):
     assert (out / "transformer_d1_s3407" / "metrics.csv").stat().st_mtime_ns == first_mtime
     assert "resumed from" in (victim / "sweep.log").read_text() and st[victim.name]["attempts"] == 2
     steps = [int(r["step"]) for r in csv.DictReader(open(victim / "metrics.csv"))]
-    assert steps == sorted(set(steps)) and steps[-1] == 50  # 6400 tokens / 128 per step, no duplicated rows
+    assert steps == sorted(set(steps)) and steps[-1] == 30  # 3840 tokens / 128 per step, no duplicated rows
     for name in ("report.md", "report.json", "scaling.png"):
         assert (out / name).is_file()
     rep = json.loads((out / "report.json").read_text())
     assert {a: rep["fits"][a]["n_sizes"] for a in rep["archs"]} == {"transformer": 3, "transformerls": 3}
     assert "No verdict: one seed per size" in again.stdout
+    # --eval ppl: every finished model evaluated once, a column per context multiple in the report
+    assert all((out / n / "eval.json").is_file() for n in st)
+    assert "ppl@1x" in (out / "report.md").read_text() and all(r["eval"]["ppl@1x"] > 1 for r in rep["rows"])

@@ -244,7 +244,7 @@ def verdict(a: str, b: str, cmp: dict, xname: str) -> str:
                 f"{g[-1]['x']:.3g}), by {min(mags):.3f} to {max(mags):.3f} nats, each above the seed noise floor "
                 f"({floor:.3f} nats) with a 95% CI that excludes 0." + cross)
     parts = []
-    for w in sorted(winners):
+    for w in sorted(winners, key=lambda w: min(x["x"] for x in called if winner(x) == w)):  # by compute
         xs = [x for x in called if winner(x) == w]
         parts.append(f"{w} is lower at {xname} = {', '.join(format(x['x'], '.3g') for x in xs)} (by up to "
                      f"{max(abs(x['gap']) for x in xs):.3f} nats)")
