@@ -248,8 +248,9 @@ def verdict(a: str, b: str, cmp: dict, xname: str) -> str:
         xs = [x for x in called if winner(x) == w]
         parts.append(f"{w} is lower at {xname} = {', '.join(format(x['x'], '.3g') for x in xs)} (by up to "
                      f"{max(abs(x['gap']) for x in xs):.3f} nats)")
-    return ("; ".join(parts) + f"; at the other measured {xname} the gap is within the seed noise floor "
-            f"({floor:.3f} nats) or its 95% CI includes 0." + cross)
+    rest = (f"; at the other measured {xname} the gap is within the seed noise floor ({floor:.3f} nats) or its "
+            "95% CI includes 0" if len(called) < len(g) else f", each above the seed noise floor ({floor:.3f} nats)")
+    return "; ".join(parts) + rest + "." + cross
 
 
 def compare_pair(a: str, b: str, fits: dict, cells_by: dict, xname: str) -> dict[str, Any]:
