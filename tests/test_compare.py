@@ -24,11 +24,12 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 PAPER_CSV = Path(__file__).resolve().parents[1] / "examples" / "studies" / "paper_flops_scaling.csv"
 
 
-def fake_study(out: Path, archs: list[str], sizes: list[int], seeds: int) -> tuple[CompareSpec, list]:
+def fake_study(out: Path, archs: list[str], sizes: list[int], seeds: int, mode: str = "flops"):
     """The study compare would build (its own builder, study file + compare.json), without running it."""
-    spec = CompareSpec(archs=[Arch(a, {"train_model": a}) for a in archs], mode="flops", sizes=sizes,
-                       seeds=[3407 + i for i in range(seeds)], budget={"kind": "max_tokens", "value": 1e6},
-                       base={"train_data_dir": "unused"}, out_dir=out)
+    budget = {"kind": "max_tokens", "value": 1e6} if mode == "flops" else {"kind": "tokens", "value": None}
+    spec = CompareSpec(archs=[Arch(a, {"train_model": a}) for a in archs], mode=mode, sizes=sizes,
+                       seeds=[3407 + i for i in range(seeds)], budget=budget, base={"train_data_dir": "unused"},
+                       out_dir=out, depth=4 if mode == "data" else None)
     study = build_study(spec)
     write_meta(spec, study)
     return spec, study.runs
@@ -118,6 +119,27 @@ def test_noise_floor_blocks_a_small_gap(tmp_path):
     assert cmp["noise_floor"] == pytest.approx(0.02 / np.sqrt(2), rel=1e-6)
     assert not any(g["called"] for g in cmp["gaps"])
     assert cmp["verdict"].startswith("No difference can be called")
+
+
+def test_data_scaling_report_fits_over_tokens(tmp_path):
+    out = tmp_path / "data"
+    budgets = [10**5, 10**6, 10**7, 10**8]
+    spec, runs = fake_study(out, ["transformer", "sambay"], budgets, seeds=2, mode="data")
+    assert [r.name for r in runs][:2] == ["transformer_d4_T100000_s3407", "sambay_d4_T100000_s3407"]
+    meta = json.loads((out / "compare.json").read_text())["runs"]
+    rng = np.random.default_rng(0)
+    for r in runs:
+        m = meta[r.name]
+        y = float(law(20.0, 0.2 if m["arch"] == "sambay" else 0.15, 2.0, m["size"])) + rng.normal(0, 0.002)
+        write_run(Path(r.out_dir), m["size"] * 6.0 * 10_000, [y])  # trains exactly `size` tokens
+    record(out, {r.name: "success" for r in runs})
+    rep = write_report(out, n_bootstrap=100)
+    assert rep["x"] == "tokens" and [r["x"] for r in rep["rows"]][::4] == budgets
+    assert rep["fits"]["sambay"]["fit"].b == pytest.approx(0.2, abs=0.03)
+    (cmp,) = rep["comparisons"]
+    assert all(g["called"] and g["gap"] < 0 for g in cmp["gaps"])  # sambay lower everywhere, by >= 0.04 nats
+    assert cmp["verdict"].startswith("sambay reaches a lower loss than transformer at every measured tokens")
+    assert "| tokens " in rep["md"].read_text()
 
 
 def test_papers_sambay_and_transformer_table_reproduces_the_exponents(tmp_path):
