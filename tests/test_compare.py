@@ -142,6 +142,21 @@ def test_data_scaling_report_fits_over_tokens(tmp_path):
     assert "| tokens " in rep["md"].read_text()
 
 
+def test_a_loss_that_does_not_fall_with_compute_gets_no_verdict(tmp_path):
+    """Three sizes whose loss rises with C (undertrained big models): b lands on its bound; no gap is called."""
+    out = tmp_path / "study"
+    spec, runs = fake_study(out, ["transformer", "sambay"], [4, 8, 12], seeds=2)
+    meta = json.loads((out / "compare.json").read_text())["runs"]
+    for r in runs:
+        m = meta[r.name]
+        write_run(Path(r.out_dir), 1e10 * m["size"], [7.8 + 0.02 * m["size"] + 0.001 * (m["seed"] - 3407)])
+    record(out, {r.name: "success" for r in runs})
+    rep = write_report(out, n_bootstrap=50)
+    assert rep["fits"]["sambay"]["degenerate"] and "does not fall with compute" in rep["md"].read_text()
+    (cmp,) = rep["comparisons"]
+    assert cmp["verdict"].startswith("No verdict: for transformer, its fit is degenerate") and not cmp["gaps"]
+
+
 def test_papers_sambay_and_transformer_table_reproduces_the_exponents(tmp_path):
     """ArchScale's published FLOPs-scaling losses (T++ mu-P++ and SambaY mu-P++, 6NT from 9.1e18 to 6.65e21) as
     run folders, one seed: the fits give the refit exponents (0.0745, 0.0694) and the verdict refuses to call

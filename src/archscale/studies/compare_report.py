@@ -26,6 +26,7 @@ from archscale.studies.sweep import FINISHED, STATUS_FILE, markdown_table, read_
 
 LOSS = "best_val_loss"  # the minimum validation loss of a run, as ArchScale's analysis
 META_FILE = "compare.json"
+DEGENERATE_B = 1e-3  # a fitted exponent below this is fit.py's lower bound: no power law in the points
 WINDOW = 1e6  # crossovers are searched from C_min / WINDOW to C_max * WINDOW
 X_NAMES = {"flops": "C (FLOPs)", "data": "tokens"}
 
@@ -121,7 +122,13 @@ def fit_arch(rows: list[dict], arch: str, n_bootstrap: int, seed: int) -> dict[s
     notes: list[str] = []
     fit = fit_power_law([r["x"] for r in pts], [r["loss"] for r in pts], n_bootstrap=n_bootstrap, seed=seed,
                         name=arch, warn=notes.append)
-    return {"fit": fit, "n_points": len(pts), "n_sizes": n_sizes, "refused": None, "notes": notes}
+    degenerate = None
+    if fit.b < DEGENERATE_B:  # b on its lower bound: the points do not fall with compute, the law says nothing
+        degenerate = (f"its fit is degenerate (b = {fit.b:.2g}: the loss does not fall with compute over these "
+                      "sizes, so L = A C^-b + E does not describe them)")
+        notes.append(f"{arch}: {degenerate}")
+    return {"fit": fit, "n_points": len(pts), "n_sizes": n_sizes, "refused": None, "degenerate": degenerate,
+            "notes": notes}
 
 
 def predict_samples(fit: FitResult, x: np.ndarray) -> Optional[np.ndarray]:
@@ -256,9 +263,10 @@ def verdict(a: str, b: str, cmp: dict, xname: str) -> str:
 def compare_pair(a: str, b: str, fits: dict, cells_by: dict, xname: str) -> dict[str, Any]:
     floor = noise_floor([cells_by[a], cells_by[b]])
     out: dict[str, Any] = {"a": a, "b": b, "noise_floor": floor, "gaps": [], "crossover": None, "refused": None}
-    missing = [arch for arch in (a, b) if fits[arch]["fit"] is None]
+    missing = [arch for arch in (a, b) if fits[arch]["fit"] is None or fits[arch].get("degenerate")]
     if missing:
-        out["refused"] = "; ".join(f"{arch} has {fits[arch]['refused']}" for arch in missing)
+        out["refused"] = "; ".join(f"{arch} has {fits[arch]['refused']}" if fits[arch]["fit"] is None else
+                                   f"for {arch}, {fits[arch]['degenerate']}" for arch in missing)
     else:
         fa, fb = fits[a]["fit"], fits[b]["fit"]
         xs = sorted({c["x"] for c in cells_by[a] + cells_by[b]})
@@ -319,7 +327,7 @@ def fits_table(rep: dict) -> str:
         if r is None:
             body.append([a, str(f["n_points"]), str(f["n_sizes"]), "-", "-", "-", "-", "refused: " + f["refused"]])
             continue
-        note = "; ".join(n.split(": ", 1)[-1] for n in f["notes"]) or "-"
+        note = "; ".join(n.removeprefix("warning: ").removeprefix(f"{a}: ") for n in f["notes"]) or "-"
         body.append([a, str(f["n_points"]), str(f["n_sizes"]), f"{r.A:.4g}{_ci_text(r.A_ci, '.4g')}",
                      f"{r.b:.4f}{_ci_text(r.b_ci, '.4f')}", f"{r.C:.4f}{_ci_text(r.C_ci, '.4f')}", f"{r.rmse:.3g}",
                      note])
