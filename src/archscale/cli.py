@@ -9,6 +9,7 @@
     archscale eval / report ...    evaluate a checkpoint (ppl, Phonebook, RULER NIAH, lm-eval) / plot the results
     archscale lm_eval ARGS...      lm-eval's own command line, our model registered (--model archscale)
     archscale sweep / analyze / fit ...   scaling studies: run a study file, tabulate it, fit L = A X^-b + C
+    archscale compare ...          X vs Y at equal compute as one command: study, fits, gap, crossover, verdict
     archscale quantize ...         int8 / NF4 weights (torchao) into a folder eval and generate read
     archscale serve / bench-serve ...     OpenAI-compatible server with continuous batching / its load-test client
     archscale reason ...           GSM8K / MATH / AIME answers through a server or a checkpoint: pass@1, pass@k
@@ -240,6 +241,12 @@ def cmd_analyze(argv: list[str]) -> int:
 def cmd_fit(argv: list[str]) -> int:
     from archscale.studies.cli import fit_main
     return fit_main(argv)
+
+
+@command("compare", "which architecture scales better: runs a study, fits L(C) per arch, gap/crossover/verdict")
+def cmd_compare(argv: list[str]) -> int:
+    from archscale.studies.compare_cli import compare_main
+    return compare_main(argv)
 
 
 @command("serve", "OpenAI-compatible completions server (continuous batching) for a checkpoint")

@@ -41,6 +41,9 @@ class FitResult:
     target: Optional[float] = None
     prediction: Optional[float] = None
     prediction_ci: Optional[list[float]] = None
+    # the bootstrap's (A, b, C) rows, for intervals of derived quantities (`archscale compare`'s gaps and
+    # crossovers); left out of to_json
+    samples: Optional[np.ndarray] = field(default=None, repr=False)
 
     def predict(self, x) -> np.ndarray:
         x = np.asarray(x, dtype=float)
@@ -130,7 +133,8 @@ def fit_power_law(x, y, n_bootstrap: int = 1000, seed: int = 0, target: Optional
     else:
         ci = [None, None, None]  # no bootstrap (n == 3 or --bootstrap 0): JSON null, printed as "no CI"
     res = FitResult(A=A, b=b, C=c, A_ci=ci[0], b_ci=ci[1], C_ci=ci[2], n_points=n, x0=x0, rmse=rmse,
-                    C_at_bound=at_bound, n_bootstrap=len(boots), warnings=notes)
+                    C_at_bound=at_bound, n_bootstrap=len(boots), warnings=notes,
+                    samples=np.array(boots) if boots else None)
     if target is not None:
         res.target = float(target)
         res.prediction = float(res.predict(target))
@@ -209,7 +213,7 @@ def report(results: dict[str, FitResult], xname: str) -> str:
 
 
 def to_json(results: dict[str, FitResult]) -> dict:
-    return {k: {kk: vv for kk, vv in asdict(v).items()} for k, v in results.items()}
+    return {k: {kk: vv for kk, vv in asdict(v).items() if kk != "samples"} for k, v in results.items()}
 
 
 def plot_fits(series: dict[str, tuple[list, list]], results: dict[str, FitResult], path: str | Path, xname: str,
