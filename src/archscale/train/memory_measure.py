@@ -200,3 +200,53 @@ def saved_by_block(model, idx: torch.Tensor, autocast_dtype: Optional[torch.dtyp
     blocks = [{part: sizes.get(f"{i}.{part}", 0) for part in ("mixer", "ffn", "norms")}
               for i in range(len(model.blocks))]
     return {"blocks": blocks, "outside": sizes.get("outside", 0)}
+
+
+def measure_distributed(fields: dict, nproc: int, timeout: float = 600) -> list[dict]:
+    """`measure_training_peak` on `nproc` processes (torchrun on this machine, gloo): one result per rank.
+    `fields`: PretrainConfig fields (JSON-able, `base_hps` as a dict)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+               f"--rdzv_endpoint=127.0.0.1:{port}", "-m", "archscale.train.memory_measure", json.dumps(fields),
+               tmp]
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"measure_distributed failed:\n{proc.stdout.decode(errors='replace')[-3000:]}")
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def _worker(fields_json: str, out_dir: str) -> None:
+    """One torchrun rank of `measure_distributed`."""
+    import json
+    from pathlib import Path
+
+    from archscale.scaling_rules import BaseHyperparameters
+    from archscale.train.config import PretrainConfig
+    from archscale.train.distributed import setup as setup_distributed
+
+    fields = json.loads(fields_json)
+    cfg = PretrainConfig(**{**fields, "base_hps": BaseHyperparameters(**fields.get("base_hps", {}))})
+    env = setup_distributed(cfg.strategy)
+    try:
+        result = measure_training_peak(cfg, env=env)
+        Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(result))
+        env.barrier()
+    finally:
+        env.close()
+
+
+if __name__ == "__main__":
+    import sys
+
+    _worker(sys.argv[1], sys.argv[2])
