@@ -39,9 +39,9 @@ class LivePeak(TorchDispatchMode):
     (weak-reference callbacks): fast. `rescan=True` re-reads every storage's size after every op (slow), for code
     that resizes storages outside any op (FSDP2 frees an all-gathered parameter with `storage.resize_(0)`)."""
 
-    def __init__(self, device_type: str = "cpu", rescan: bool = False):
+    def __init__(self, device_type: str = "cpu", rescan: bool = False, ignore: frozenset = frozenset()):
         super().__init__()
-        self.device_type, self.rescan = device_type, rescan
+        self.device_type, self.rescan, self.ignore = device_type, rescan, ignore  # ignore: storages not counted
         self._size: dict[int, int] = {}  # storage data_ptr -> bytes
         self._holders: dict[int, set] = {}  # storage data_ptr -> ids of the live tensors on it
         self._refs: dict[int, tuple] = {}  # tensor id -> (weak reference, storage data_ptr)
@@ -69,6 +69,8 @@ class LivePeak(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # sparse / subclass without a storage
             return
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if ptr in self.ignore:
+            return
         if id(t) in self._refs and self._refs[id(t)][1] != ptr:  # re-allocated in place: move it
             self._drop(id(t))
         if ptr and nbytes != self._size.get(ptr, nbytes):
@@ -110,6 +112,21 @@ class LivePeak(TorchDispatchMode):
         return out
 
 
+def live_storages(device_type: str = "cpu") -> frozenset:
+    """The data pointers of every live tensor storage now (what a measurement leaves out as not its own)."""
+    gc.collect()
+    out = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and _local(obj).device.type == device_type:
+                try:
+                    out.add(_local(obj).untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    pass
+    return frozenset(out)
+
+
 def measure_training_peak(cfg, steps: int = 2, explicit: frozenset = frozenset(), env=None) -> dict:
     """Run `steps` optimizer steps of the trainer's setup for `cfg` (a PretrainConfig with synthetic data) and
     return {"peak_bytes": the live-tensor peak over the steps after the first, "states_bytes": what is alive
@@ -121,11 +138,12 @@ def measure_training_peak(cfg, steps: int = 2, explicit: frozenset = frozenset()
     with tempfile.TemporaryDirectory() as tmp:
         cfg.out_dir, cfg.eval_iters, cfg.progress, cfg.resume = f"{tmp}/run", 0, False, "none"
         env = env or setup_distributed(cfg.strategy)
+        before = live_storages(env.device.type)  # whatever the process held already is not this run's
         trainer = Trainer(cfg, set(explicit), env, lambda msg: None)
         try:
             trainer.train_step(trainer.state, trainer.loader)  # creates the optimizer states
             gc.collect()
-            with LivePeak(env.device.type, rescan=env.strategy == "fsdp") as probe:
+            with LivePeak(env.device.type, rescan=env.strategy == "fsdp", ignore=before) as probe:
                 states = probe.current
                 for _ in range(max(1, steps - 1)):
                     trainer.train_step(trainer.state, trainer.loader)

@@ -161,7 +161,8 @@ def zero_states(P: float, N: int, shape: RunShape) -> dict[str, float]:
         return {"params": half * P, "grads": (half + 4) * P, "optimizer": master * P, "unsharded_params": 0.0,
                 "comm_buckets": 0.0}
     grads = {1: half * P, 2: half * P / N, 3: half * P / N}[stage]
-    return {"params": half * P / (N if stage == 3 else 1), "grads": grads + (4 * P / N if stage < 3 else 0),
+    # plus the fp32 gradient partition every stage keeps (DeepSpeed's own estimators count it too)
+    return {"params": half * P / (N if stage == 3 else 1), "grads": grads + 4 * P / N,
             "optimizer": master * P / N, "unsharded_params": half * bucket if stage == 3 else 0.0,
             "comm_buckets": half * bucket}
 
@@ -234,7 +235,11 @@ def predict_memory(model_cfg: ModelConfig, shape: RunShape, alloc_factor: Option
     optimizer = resident + states["grads"]
     factor = alloc_factor if alloc_factor is not None else (ALLOCATOR_FACTOR_CUDA if shape.device == "cuda" else 1.0)
     live = max(backward, optimizer)
-    return {"breakdown_bytes": {**states, **acts, "logits": logits, "allocator": live * (factor - 1.0)},
+    # the breakdown is the peak moment's: at the start of backward only the gradients kept between steps exist;
+    # at the optimizer step the activations and the loss's buffers are gone
+    at = ({**states, "grads": grads_between, **acts, "logits": logits} if backward >= optimizer else
+          {**states, "activations": 0.0, "weight_copies": 0.0, "logits": 0.0})
+    return {"breakdown_bytes": {**at, "allocator": live * (factor - 1.0)},
             "peak_bytes": live * factor, "peak_at": "backward" if backward >= optimizer else "optimizer step",
             "allocator_factor": factor, "params_per_rank": counts["params"]}
 
