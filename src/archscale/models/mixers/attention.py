@@ -163,5 +163,6 @@ SPEC = register(MixerSpec(
     saved=attention_saved,
     kernels=(KernelRef("flash_attn_func", lambda: flash_attn_func is not None and torch.cuda.is_available(),
                        "archscale.models.attention_ops.attention_mask + SDPA",
-                       "tests/test_attention.py::test_flash_attn_matches_sdpa"),),
+                       "tests/test_attention.py::test_flash_attn_matches_sdpa",
+                       "on a CUDA machine: pip install flash-attn --no-build-isolation (extra `cuda`)"),),
 ))

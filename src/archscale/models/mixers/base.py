@@ -71,6 +71,7 @@ class KernelRef:
     available: Callable[[], bool]
     reference: str
     test: str
+    install: str = ""  # how to get it where it is missing (`archscale doctor` prints it)
 
 
 def no_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float]:

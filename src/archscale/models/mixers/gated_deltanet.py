@@ -280,5 +280,6 @@ SPEC = register(MixerSpec(
     saved=gdn_saved,
     kernels=(KernelRef("fla.chunk_gated_delta_rule", fla_available,
                        "archscale.kernels.gated_delta._recurrence_ref",
-                       "tests/test_gated_delta.py::test_fla_kernel_matches_chunked"),),
+                       "tests/test_gated_delta.py::test_fla_kernel_matches_chunked",
+                       "on a CUDA machine: pip install flash-linear-attention (extra `cuda`)"),),
 ))

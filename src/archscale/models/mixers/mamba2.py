@@ -258,5 +258,6 @@ SPEC = register(MixerSpec(
     saved=mamba2_saved,
     kernels=(KernelRef("mamba_ssm.mamba_chunk_scan_combined", cuda_ssd_available,
                        "archscale.kernels.ssd._ssd_ref",
-                       "tests/test_mamba2.py::test_cuda_kernel_module_matches_reference"),),
+                       "tests/test_mamba2.py::test_cuda_kernel_module_matches_reference",
+                       "on a CUDA machine: pip install mamba-ssm causal-conv1d (extra `cuda`)"),),
 ))
