@@ -11,6 +11,7 @@ table runs in minutes on 2 cores.
 
     python benchmarks/memory_model.py                 # everything; JSON in benchmarks/results/memory_model.json
     python benchmarks/memory_model.py --only transformer,mamba --ctx 512 --no_dist
+    python benchmarks/memory_model.py --measured a.json,b.json   # re-predict saved measurements (the model changed)
 """
 
 from __future__ import annotations
@@ -101,7 +102,10 @@ def main() -> None:
     p.add_argument("--dist_ctx", type=int, default=512)
     p.add_argument("--max_mib", type=float, default=3072.0, help="skip a row predicted above this (MiB)")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "memory_model.json"))
+    p.add_argument("--measured", default=None, help="JSON files of earlier runs: predict their rows again, print")
     a = p.parse_args()
+    if a.measured:
+        return summarize([repredict(r) for f in a.measured.split(",") for r in json.loads(Path(f).read_text())])
     rows, out = [], Path(a.results)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -119,6 +123,19 @@ def main() -> None:
             for label, extra in STRATEGIES.items():
                 fields = fields_for("transformer", ctx, False, world=2, depth=8, **extra)
                 add(row(label, "transformer", ctx, False, 2, fields, a.max_mib))
+    summarize(rows)
+
+
+def repredict(r: dict) -> dict:
+    """A saved row with the current memory model's prediction (the measurement is kept as it was)."""
+    family, ctx, ckpt, world = r["family"], r["ctx"], r["act_ckpt"], r["ranks"]
+    extra = dict(depth=8, **STRATEGIES[r["strategy"]]) if world > 1 else {}
+    pred = predicted_bytes(fields_for(family, ctx, ckpt, world=world, **extra), world) / MIB
+    meas = r["measured_mib"]
+    return {**r, "predicted_mib": pred, "error": pred / meas - 1 if meas else None}
+
+
+def summarize(rows: list[dict]) -> None:
     done = [r for r in rows if r["error"] is not None]
     worst = max(done, key=lambda r: abs(r["error"])) if done else None
     print("\n" + table(rows))

@@ -12,7 +12,8 @@
 - activations: for every layer what its mixer and feed-forward declare they save for backward
   (`MixerSpec.saved`, the registry; nothing here names a mixer), the block norms' fp32 inputs, and under autocast
   the bf16 copy of every matmul weight that autograd keeps until that layer's backward; with `--act_ckpt` only
-  each block's fp32 input and what outlives a block (GMU memory, YOCO's K/V), plus one block recomputed;
+  each block's fp32 input and what outlives a block (GMU memory, YOCO's K/V), plus one block recomputed in
+  backward, which happens after the loss's buffers are freed (the larger of the two counts);
 - the loss: plain logits (bf16 logits, fp32 log-softmax, its gradient: LOGIT_BYTES per token and vocab entry), or
   the chunked loss's fp32 chunk of logits and hidden-state gradient;
 - the allocator's overhead as a factor on everything: 1.0 for the live-tensor census on CPU (what
@@ -195,9 +196,10 @@ def activations(model_cfg: ModelConfig, shape: RunShape, counts: dict[str, float
     base = SaveEnv(seq_len=shape.ctx_len, act_bytes=shape.act_bytes, act_ckpt=False, device=shape.device)
     n_layers = math.ceil(model_cfg.n_layer / max(1, shape.pp))
     full = layer_saved(model_cfg, base, n_layers)
-    if shape.checkpointed:
-        kept = layer_saved(model_cfg, dataclasses.replace(base, act_ckpt=True), n_layers)
-        per_token = sum(kept) + max(full)  # every block's input, and one block recomputed in backward
+    recompute = 0.0
+    if shape.checkpointed:  # every block's input (and what outlives blocks); in backward one block recomputed
+        per_token = sum(layer_saved(model_cfg, dataclasses.replace(base, act_ckpt=True), n_layers))
+        recompute = tokens * max(full)
     else:
         per_token = sum(full)
     # outside the blocks: token ids, the final norm, lm_head's input; RoPE's fp32 cos/sin tables
@@ -207,7 +209,8 @@ def activations(model_cfg: ModelConfig, shape: RunShape, counts: dict[str, float
     casts = 2 * counts["cast"] if shape.precision != "fp32" and shape.strategy in ("single", "ddp") else 0.0
     if shape.checkpointed:
         casts *= 1.0 / max(1, model_cfg.n_layer)  # only the recomputed block's
-    return {"activations": tokens * (per_token + outside) + layer_fixed(model_cfg, base), "weight_copies": casts}
+    return {"activations": tokens * (per_token + outside) + layer_fixed(model_cfg, base), "weight_copies": casts,
+            "recompute": recompute}
 
 
 def loss_buffers(model_cfg: ModelConfig, shape: RunShape) -> float:
@@ -231,14 +234,17 @@ def predict_memory(model_cfg: ModelConfig, shape: RunShape, alloc_factor: Option
     logits = loss_buffers(model_cfg, shape)
     resident = states["params"] + states["optimizer"] + states["unsharded_params"] + states["comm_buckets"]
     grads_between = states["grads"] if shape.strategy in ("ddp", "deepspeed") else 0.0  # kept between steps
-    backward = resident + grads_between + acts["activations"] + acts["weight_copies"] + logits
+    # a checkpointed block is recomputed after the loss's buffers are freed: the larger of the two counts
+    transient = max(logits, acts["recompute"])
+    backward = resident + grads_between + acts["activations"] + acts["weight_copies"] + transient
     optimizer = resident + states["grads"]
     factor = alloc_factor if alloc_factor is not None else (ALLOCATOR_FACTOR_CUDA if shape.device == "cuda" else 1.0)
     live = max(backward, optimizer)
     # the breakdown is the peak moment's: at the start of backward only the gradients kept between steps exist;
     # at the optimizer step the activations and the loss's buffers are gone
-    at = ({**states, "grads": grads_between, **acts, "logits": logits} if backward >= optimizer else
-          {**states, "activations": 0.0, "weight_copies": 0.0, "logits": 0.0})
+    at = ({**states, "grads": grads_between, **acts, "logits": logits if logits >= acts["recompute"] else 0.0,
+           "recompute": acts["recompute"] if acts["recompute"] > logits else 0.0} if backward >= optimizer else
+          {**states, "activations": 0.0, "weight_copies": 0.0, "recompute": 0.0, "logits": 0.0})
     return {"breakdown_bytes": {**at, "allocator": live * (factor - 1.0)},
             "peak_bytes": live * factor, "peak_at": "backward" if backward >= optimizer else "optimizer step",
             "allocator_factor": factor, "params_per_rank": counts["params"]}
