@@ -162,3 +162,31 @@ def test_seed_spellings_are_aliases_with_a_note():
     cfg = PretrainConfig(precision="bf16", gradient_checkpointing=True)
     validate(cfg)
     assert cfg.precision == "bf16-mixed" and cfg.act_ckpt
+
+
+def test_step_time_is_flops_over_peak_at_mfu_plus_comm_over_bandwidth():
+    from archscale.train.memory_model import TARGETS, RunShape, step_time
+
+    single = RunShape(micro_bsz=1, ctx_len=4096)
+    t = step_time(1e9, 1_000_000, 10_000_000, 1, 1e8, single, target="a100", mfu=0.5)
+    assert t["compute_s"] == pytest.approx(1e9 * 1e6 / (312e12 * 0.5)) and t["comm_s"] == 0
+    assert t["tokens_per_s"] == pytest.approx(1e6 / t["seconds_per_step"])
+    assert t["wall_time_h"] == pytest.approx(10 * t["seconds_per_step"] / 3600)
+    ddp = dataclasses.replace(single, strategy="ddp", world_size=8)
+    t8 = step_time(1e9, 1_000_000, 10_000_000, 8, 1e8, ddp, target="a100", mfu=0.5)
+    assert t8["compute_s"] == pytest.approx(t["compute_s"] / 8)
+    # a ring all-reduce of fp32 gradients: 2 (N-1)/N x 4 B x P over the bandwidth
+    assert t8["comm_s"] == pytest.approx(2 * 7 / 8 * 4 * 1e8 / TARGETS["a100"]["bandwidth"])
+    assert any("MFU 0.50" in line for line in t8["assumptions"])
+
+
+def test_pipeline_stage_and_expert_shards_hold_their_share():
+    m = ModelConfig.from_arch("transformer", 8, vocab_size=32000, block_size=4096)
+    base = shape_of(PretrainConfig(depth=8, ctx_len=4096, vocab_size=32000), world_size=1)
+    one = predict_memory(m, base)["breakdown_bytes"]
+    two = predict_memory(m, dataclasses.replace(base, pp=2, world_size=2, strategy="ddp"))["breakdown_bytes"]
+    assert two["activations"] < 0.6 * one["activations"] and two["optimizer"] < 0.7 * one["optimizer"]
+    moe = m.replace(ffn_kind="moe", mixer_options={"moe": {"n_experts": 8, "top_k": 2}})
+    full = predict_memory(moe, base)["breakdown_bytes"]["optimizer"]
+    sharded = predict_memory(moe, dataclasses.replace(base, ep=4, world_size=4, strategy="ddp"))
+    assert sharded["breakdown_bytes"]["optimizer"] < 0.5 * full

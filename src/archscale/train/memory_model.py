@@ -13,7 +13,8 @@
   (`MixerSpec.saved`, the registry; nothing here names a mixer), the block norms' fp32 inputs, and under autocast
   the bf16 copy of every matmul weight that autograd keeps until that layer's backward; with `--act_ckpt` only
   each block's fp32 input and what outlives a block (GMU memory, YOCO's K/V), plus one block recomputed in
-  backward, which happens after the loss's buffers are freed (the larger of the two counts);
+  backward (its saved tensors and as many bytes of their gradients: RECOMPUTE_FACTOR), which happens after the
+  loss's buffers are freed (the larger of the two counts);
 - the loss: plain logits (bf16 logits, fp32 log-softmax, its gradient: LOGIT_BYTES per token and vocab entry), or
   the chunked loss's fp32 chunk of logits and hidden-state gradient;
 - the allocator's overhead as a factor on everything: 1.0 for the live-tensor census on CPU (what
@@ -47,6 +48,7 @@ TARGETS = {
 DEFAULT_MFU = 0.35  # model FLOPs utilisation of a bf16 run on a GPU (override with --mfu)
 ALLOCATOR_FACTOR_CUDA = 1.10  # CUDA caching allocator: reserved / allocated at the peak (fragmentation, rounding)
 LOGIT_BYTES = 12  # plain loss, per token x vocab entry: bf16 logits + fp32 log-softmax + its fp32 gradient
+RECOMPUTE_FACTOR = 2.0  # --act_ckpt: a recomputed block's saved bytes x this while backward runs through it
 BUCKET_ELEMENTS = 20_000_000  # DeepSpeed's reduce / all-gather bucket (deepspeed_engine.BUCKET_ELEMENTS)
 
 
@@ -199,7 +201,8 @@ def activations(model_cfg: ModelConfig, shape: RunShape, counts: dict[str, float
     recompute = 0.0
     if shape.checkpointed:  # every block's input (and what outlives blocks); in backward one block recomputed
         per_token = sum(layer_saved(model_cfg, dataclasses.replace(base, act_ckpt=True), n_layers))
-        recompute = tokens * max(full)
+        # the recomputed block's saved tensors, and the gradients of as many bytes its backward makes from them
+        recompute = RECOMPUTE_FACTOR * tokens * max(full)
     else:
         per_token = sum(full)
     # outside the blocks: token ids, the final norm, lm_head's input; RoPE's fp32 cos/sin tables
