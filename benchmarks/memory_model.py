@@ -42,10 +42,12 @@ STRATEGIES = {"ddp": dict(strategy="ddp"), "fsdp2": dict(strategy="fsdp"),
 MIB = 2 ** 20
 
 
-def fields_for(family: str, ctx: int, act_ckpt: bool, world: int = 1, **extra) -> dict:
+def fields_for(family: str, ctx: int, act_ckpt: bool, world: int = 1, width: int = 128, **extra) -> dict:
+    fam = dict(FAMILIES[family])
+    fam["ar"] = width // fam["depth"]  # the same width for every family (default 128)
     return {"train_data_dir": "synthetic", "vocab_size": 2048, "ctx_len": ctx, "micro_bsz": 1, "max_tokens": 1e7,
             "act_ckpt": act_ckpt, "strategy": "single", "base_hps": {"b0": ctx * world},
-            **FAMILIES[family], **extra}
+            **fam, **extra}
 
 
 def predicted_bytes(fields: dict, world: int) -> float:
@@ -73,6 +75,7 @@ def measured_bytes(fields: dict, world: int) -> float:
 def row(label: str, family: str, ctx: int, ckpt: bool, world: int, fields: dict, max_mib: float) -> dict:
     pred = predicted_bytes(fields, world)
     out = {"family": family, "ctx": ctx, "act_ckpt": ckpt, "strategy": label, "ranks": world,
+           "width": fields["ar"] * fields["depth"],
            "predicted_mib": pred / MIB}
     if pred / MIB > max_mib:
         out.update(measured_mib=None, error=None, note=f"skipped: predicted above --max_mib {max_mib:.0f}")
@@ -84,12 +87,13 @@ def row(label: str, family: str, ctx: int, ckpt: bool, world: int, fields: dict,
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| family | ctx | act_ckpt | strategy | ranks | predicted MiB/rank | measured MiB/rank | error |",
-             "|---|---:|---|---|---:|---:|---:|---:|"]
+    lines = ["| family | width | ctx | act_ckpt | strategy | ranks | predicted MiB/rank | measured MiB/rank | error |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
         meas = f"{r['measured_mib']:.1f}" if r["measured_mib"] is not None else "-"
         err = f"{100 * r['error']:+.1f}%" if r["error"] is not None else r.get("note", "-")
-        lines.append(f"| {r['family']} | {r['ctx']} | {'yes' if r['act_ckpt'] else 'no'} | {r['strategy']} | "
+        lines.append(f"| {r['family']} | {r.get('width', 128)} | {r['ctx']} | {'yes' if r['act_ckpt'] else 'no'} | "
+                     f"{r['strategy']} | "
                      f"{r['ranks']} | {r['predicted_mib']:.1f} | {meas} | {err} |")
     return "\n".join(lines)
 
@@ -99,7 +103,7 @@ def main() -> None:
     p.add_argument("--only", default=",".join(FAMILIES), help="families, comma-separated")
     p.add_argument("--ctx", default="512,2048,8192")
     p.add_argument("--no_dist", action="store_true", help="leave out the 2-rank strategies")
-    p.add_argument("--dist_ctx", type=int, default=512)
+    p.add_argument("--width", type=int, default=128, help="n_embd of every family (depth 4; sambayda 8)")
     p.add_argument("--max_mib", type=float, default=3072.0, help="skip a row predicted above this (MiB)")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "memory_model.json"))
     p.add_argument("--measured", default=None, help="JSON files of earlier runs: predict their rows again, print")
@@ -118,10 +122,10 @@ def main() -> None:
     for ctx in ctxs:
         for family in a.only.split(","):
             for ckpt in (False, True):
-                add(row("single", family, ctx, ckpt, 1, fields_for(family, ctx, ckpt), a.max_mib))
+                add(row("single", family, ctx, ckpt, 1, fields_for(family, ctx, ckpt, width=a.width), a.max_mib))
         if not a.no_dist and ctx == min(ctxs):
             for label, extra in STRATEGIES.items():
-                fields = fields_for("transformer", ctx, False, world=2, depth=8, **extra)
+                fields = fields_for("transformer", ctx, False, world=2, width=a.width, **extra)
                 add(row(label, "transformer", ctx, False, 2, fields, a.max_mib))
     summarize(rows)
 
@@ -129,8 +133,11 @@ def main() -> None:
 def repredict(r: dict) -> dict:
     """A saved row with the current memory model's prediction (the measurement is kept as it was)."""
     family, ctx, ckpt, world = r["family"], r["ctx"], r["act_ckpt"], r["ranks"]
-    extra = dict(depth=8, **STRATEGIES[r["strategy"]]) if world > 1 else {}
-    pred = predicted_bytes(fields_for(family, ctx, ckpt, world=world, **extra), world) / MIB
+    extra = STRATEGIES[r["strategy"]] if world > 1 else {}
+    fields = fields_for(family, ctx, ckpt, world=world, width=r.get("width", 128), **extra)
+    if world > 1 and "width" not in r:  # rows of the first run: transformer depth 8 at width 256 (ar 32)
+        fields.update(depth=8, ar=32)
+    pred = predicted_bytes(fields, world) / MIB
     meas = r["measured_mib"]
     return {**r, "predicted_mib": pred, "error": pred / meas - 1 if meas else None}
 
