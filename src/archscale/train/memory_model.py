@@ -45,7 +45,7 @@ TARGETS = {
     "h200": {"memory": 141 * 10 ** 9, "peak_flops": 989e12, "bandwidth": 450e9},
     "a100": {"memory": 80 * GIB, "peak_flops": 312e12, "bandwidth": 300e9},
 }
-DEFAULT_MFU = 0.35  # model FLOPs utilisation of a bf16 run on a GPU (override with --mfu)
+DEFAULT_MFU = 0.35  # assumed MFU of a bf16 run on a GPU, not measured here (gpu_check.sh measures it; --mfu)
 ALLOCATOR_FACTOR_CUDA = 1.10  # CUDA caching allocator: reserved / allocated at the peak (fragmentation, rounding)
 LOGIT_BYTES = 12  # plain loss, per token x vocab entry: bf16 logits + fp32 log-softmax + its fp32 gradient
 RECOMPUTE_FACTOR = 2.0  # --act_ckpt: a recomputed block's saved bytes x this while backward runs through it
