@@ -139,7 +139,8 @@ def repredict(r: dict) -> dict:
         fields.update(depth=8, ar=32)
     pred = predicted_bytes(fields, world) / MIB
     meas = r["measured_mib"]
-    return {**r, "predicted_mib": pred, "error": pred / meas - 1 if meas else None}
+    return {**r, "width": fields["ar"] * fields["depth"], "predicted_mib": pred,
+            "error": pred / meas - 1 if meas else None}
 
 
 def summarize(rows: list[dict]) -> None:
