@@ -135,15 +135,17 @@ def diff_attention_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[s
     """Differential attention (every attention kind alike, measured): the projection's input (d) and, per query
     channel, q, both maps' outputs at the pair width, the fp32 pair norm's input and output and the fp32
     lambda-weighted difference (5 H hd in the activation dtype + 5 H hd fp32); on CPU the unequal q / v head widths
-    send SDPA to its math path, which keeps the attention probabilities (DA_MAP_BYTES per head and key)."""
-    a, q = env.act_bytes, config.n_head * config.head_size
+    send SDPA to its math path, which keeps the attention probabilities (DA_MAP_BYTES per head and key; a window
+    shorter than the sequence runs it masked, past 2W on blocks of 2W keys: measured T + 12 W bytes per head)."""
+    a, q, T, W = env.act_bytes, config.n_head * config.head_size, env.seq_len, config.sliding_window
     out = {"diff_attention": a * config.n_embd + (5 * a + 20) * q + 2 * config.n_head}
     if env.device == "cpu":
-        out["diff_attention_maps"] = DA_MAP_BYTES * config.n_head * env.seq_len
+        blocked = kind == "swa" and 0 < 2 * W < T
+        out["diff_attention_maps"] = config.n_head * (T + 12 * W if blocked else DA_MAP_BYTES * T)
     return out
 
 
-DA_MAP_BYTES = 4.0  # per (head, key) on CPU's math path (measured: 4 B, one fp32 probability per map entry)
+DA_MAP_BYTES = 4.0  # per (head, key) on CPU's causal math path (measured at T = 64..256 and 512)
 
 
 SPEC = register(MixerSpec(
