@@ -159,8 +159,10 @@ def saved_bytes(fn, *args, exclude=()) -> dict[str, int]:
     storages of `exclude`, e.g. the parameters, left out): what a mixer's `saved` declaration must predict."""
     skip = {_local(t).untyped_storage().data_ptr() for t in exclude}
     seen: dict[int, tuple[int, torch.dtype]] = {}
+    keep = []  # referenced until the end: no address reuse
 
     def pack(t):
+        keep.append(t)
         t = _local(t)
         st = t.untyped_storage()
         if st.data_ptr() not in skip:
@@ -192,8 +194,10 @@ def saved_by_block(model, idx: torch.Tensor, autocast_dtype: Optional[torch.dtyp
     where = ["outside"]
     seen: dict[int, str] = {}
     sizes: dict[str, int] = {}
+    keep = []  # every saved tensor stays referenced, so no freed storage's address is reused and mistaken for it
 
     def pack(t):
+        keep.append(t)
         st = _local(t).untyped_storage()
         if st.data_ptr() not in skip and st.data_ptr() not in seen:
             seen[st.data_ptr()] = where[-1]
