@@ -15,8 +15,8 @@
   each block's fp32 input and what outlives a block (GMU memory, YOCO's K/V), plus one block recomputed in
   backward (its saved tensors and as many bytes of their gradients: RECOMPUTE_FACTOR), which happens after the
   loss's buffers are freed (the larger of the two counts);
-- the loss: plain logits (bf16 logits, fp32 log-softmax, its gradient: LOGIT_BYTES per token and vocab entry), or
-  the chunked loss's fp32 chunk of logits and hidden-state gradient;
+- the loss: plain logits (bf16 logits, fp32 log-softmax and two fp32 gradients: LOGIT_BYTES per token and vocab
+  entry), or the chunked loss's fp32 chunk of logits and hidden-state gradient;
 - the allocator's overhead as a factor on everything: 1.0 for the live-tensor census on CPU (what
   `memory_measure.LivePeak` measures), ALLOCATOR_FACTOR_CUDA on a GPU (the caching allocator's reserved over
   allocated; `benchmarks/gpu_check.py` prints the measured ratio beside the prediction).
@@ -47,7 +47,7 @@ TARGETS = {
 }
 DEFAULT_MFU = 0.35  # assumed MFU of a bf16 run on a GPU, not measured here (gpu_check.sh measures it; --mfu)
 ALLOCATOR_FACTOR_CUDA = 1.10  # CUDA caching allocator: reserved / allocated at the peak (fragmentation, rounding)
-LOGIT_BYTES = 12  # plain loss, per token x vocab entry: bf16 logits + fp32 log-softmax + its fp32 gradient
+LOGIT_BYTES = 14  # plain loss, per token x vocab entry: bf16 logits, fp32 log-softmax and two fp32 gradients
 RECOMPUTE_FACTOR = 2.0  # --act_ckpt: a recomputed block's saved bytes x this while backward runs through it
 BUCKET_ELEMENTS = 20_000_000  # DeepSpeed's reduce / all-gather bucket (deepspeed_engine.BUCKET_ELEMENTS)
 
