@@ -7,7 +7,9 @@ Rows (bf16 autocast, AdamW, fp32 master weights; random tokens; weights random):
   rate measured on this machine (a bf16 8192^3 matmul);
 - varlen: transformer d16 training at 32K positions, documents (lengths 64..8K) vs plain causal;
 - decode: tokens/s of SambaY d16 vs Transformer++ d16 after 16K and 32K prompts (prefill timed apart);
-- peak memory (torch.cuda.max_memory_allocated) of each row.
+- peak memory (torch.cuda.max_memory_allocated) of each row, and for training rows the memory model's prediction
+  for it (`archscale.train.memory_model`, the dry run's "memory" section, at allocator factor 1: allocated, not
+  reserved) with predicted / measured (the compiled rows fuse activations the eager prediction counts).
 Each row runs in its own subprocess with a time limit (a hung compile or an OOM costs one row, not the run), and
 the whole table stays inside a budget (default 320 s; the tests get 120 s before it: under 8 minutes in all).
 
@@ -62,6 +64,16 @@ def _peak_mem(torch, dev):
     return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
 
 
+def predicted_peak_gib(arch, size, ctx, bsz, act_ckpt, device):
+    """The memory model's per-rank peak for this row's training loop (single process, bf16-mixed, plain loss)."""
+    from archscale.config import ModelConfig
+    from archscale.train.memory_model import GIB, RunShape, predict_memory
+
+    cfg = ModelConfig.from_arch(arch, size["depth"], ar=size["ar"], vocab_size=size["vocab"], block_size=ctx)
+    shape = RunShape(micro_bsz=bsz, ctx_len=ctx, act_ckpt=act_ckpt, device=device)
+    return predict_memory(cfg, shape, alloc_factor=1.0)["peak_bytes"] / GIB
+
+
 def measure_train(arch, size, compiled, varlen=False, dry=False):
     """Tokens/s, MFU and peak memory of training steps (first steps are warm-up: compile, autotuning)."""
     from archscale.models.varlen import document_ids
@@ -106,8 +118,10 @@ def measure_train(arch, size, compiled, varlen=False, dry=False):
             times.append(time.perf_counter() - t0)
     tok_s = bsz * ctx / (sum(times) / len(times))
     flops = model.flops_per_token(ctx)
+    peak, predicted = _peak_mem(torch, dev), predicted_peak_gib(arch, size, ctx, bsz, long, dev.type)
     return dict(tokens_per_s=tok_s, flops_per_token=flops, achieved_tflops=flops * tok_s / 1e12,
-                mfu_peak=flops * tok_s / PEAK_BF16, loss=float(loss), peak_gib=_peak_mem(torch, dev),
+                mfu_peak=flops * tok_s / PEAK_BF16, loss=float(loss), peak_gib=peak, predicted_gib=predicted,
+                predicted_over_measured=predicted / peak if peak else None,
                 docs=int(docs.max()) + 1 if docs is not None else None)
 
 
@@ -298,13 +312,14 @@ def _run_files(files, collect_only, Skipped, inspect, importlib_util):
 
 # ----------------------------------------------------------------------------------------------------- table
 def format_table(results, matmul_tflops):
-    head = f"{'measurement':46} {'tokens/s':>12} {'MFU(989T)':>10} {'MFU(mm)':>8} {'peak GiB':>9}  note"
+    head = (f"{'measurement':46} {'tokens/s':>12} {'MFU(989T)':>10} {'MFU(mm)':>8} {'peak GiB':>9} {'pred GiB':>9}"
+            f" {'pred/meas':>9}  note")
     lines = [head, "-" * len(head)]
     for name, r in results:
         if name == "matmul":
             continue
         if "error" in r:
-            lines.append(f"{name:46} {'-':>12} {'-':>10} {'-':>8} {'-':>9}  {r['error']}")
+            lines.append(f"{name:46} {'-':>12} {'-':>10} {'-':>8} {'-':>9} {'-':>9} {'-':>9}  {r['error']}")
             continue
         tok = r.get("tokens_per_s", r.get("decode_tokens_per_s"))
         mfu = f"{100 * r['mfu_peak']:.1f}%" if "mfu_peak" in r else "-"
@@ -312,7 +327,9 @@ def format_table(results, matmul_tflops):
             else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         note = f"prefill {r['prefill_s']:.2f} s" if "prefill_s" in r else (f"{r['docs']} docs" if r.get("docs") else "")
-        lines.append(f"{name:46} {tok:12.1f} {mfu:>10} {mfu_mm:>8} {peak:>9}  {note}")
+        pred = f"{r['predicted_gib']:.2f}" if r.get("predicted_gib") is not None else "-"
+        ratio = f"{r['predicted_over_measured']:.2f}" if r.get("predicted_over_measured") else "-"
+        lines.append(f"{name:46} {tok:12.1f} {mfu:>10} {mfu_mm:>8} {peak:>9} {pred:>9} {ratio:>9}  {note}")
     return "\n".join(lines)
 
 

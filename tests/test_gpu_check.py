@@ -27,6 +27,7 @@ def test_gpu_check_dry_run(tmp_path):
     for name, r in rows.items():
         if name.startswith("train"):
             assert r["tokens_per_s"] > 0 and 0 < r["mfu_peak"] < 1 and r["loss"] > 0, name
+            assert r["predicted_gib"] > 0 and r["predicted_over_measured"] is None, name  # no CUDA peak on CPU
         elif name.startswith("decode"):
             assert r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0, name
     assert rows["train transformer d4 ctx256 docs"]["docs"] > 1

@@ -14,6 +14,7 @@
     archscale serve / bench-serve ...     OpenAI-compatible server with continuous batching / its load-test client
     archscale reason ...           GSM8K / MATH / AIME answers through a server or a checkpoint: pass@1, pass@k
     archscale demo                 Transformer++ vs SambaY on a small public-domain corpus, minutes on a CPU
+    archscale doctor               check this machine before a launch (versions, kernels, port, disk, data)
 
 Bad input raises `UserError`, printed on one line with exit code 2 (no traceback).
 """
@@ -38,6 +39,9 @@ def command(name: str, help: str):
         COMMANDS[name] = (help, fn)
         return fn
     return register
+
+
+command("doctor", "check this machine: torch/CUDA/NCCL, mixer kernels, compiler, torchrun port, disk, data")(lambda argv: __import__("archscale.doctor", fromlist=["main"]).main(argv))  # noqa: E501
 
 
 @command("pretrain", "train a model (ArchScale-compatible flags)")

@@ -83,6 +83,10 @@ class PretrainConfig:
     wandb_project: str = "archscale"  # W&B project (with --logger wandb)
     dry_run: bool = False  # print the fully resolved plan as a table and exit (no data needed with --vocab_size)
     json: bool = False  # with --dry_run: print the plan as JSON instead of a table
+    device_memory: Optional[str] = None  # --dry_run: memory per GPU (e.g. 80GB, 80GiB): says whether the plan fits
+    target: Optional[str] = None  # --dry_run: h100 | h200 | a100: its memory, peak FLOP/s and bandwidth
+    mfu: float = 0.35  # --dry_run: model FLOPs utilisation assumed for the step-time estimate
+    gradient_checkpointing: bool = False  # the seed guide's spelling of --act_ckpt (accepted with a note)
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
@@ -183,7 +187,28 @@ def _hps_checks(h: BaseHyperparameters) -> list[tuple[bool, str]]:
              f"--base_hps.beta1_0 / beta2_0 must be in [0, 1) (got {h.beta1_0}, {h.beta2_0})")]
 
 
+# the seed guide's spellings (ArchScale's README / torchtitan): accepted, translated, noted on stderr
+PRECISION_ALIASES = {"bf16": "bf16-mixed", "fp16": "fp16-mixed", "32": "fp32", "bf16-true": "bf16-mixed"}
+TARGET_NAMES = ("h100", "h200", "a100")
+
+
+def apply_aliases(cfg: PretrainConfig, note=None) -> None:
+    """`--gradient_checkpointing` -> `--act_ckpt`, `--precision bf16` -> `bf16-mixed` (idempotent)."""
+    import sys
+
+    note = note or (lambda msg: print(msg, file=sys.stderr))
+    if cfg.gradient_checkpointing:
+        cfg.gradient_checkpointing, cfg.act_ckpt = False, True
+        note("note: --gradient_checkpointing is the seed guide's name for --act_ckpt (per-block activation "
+             "checkpointing); using --act_ckpt")
+    if cfg.precision in PRECISION_ALIASES:
+        new = PRECISION_ALIASES[cfg.precision]
+        note(f"note: --precision {cfg.precision} means {new} here (autocast, fp32 master weights)")
+        cfg.precision = new
+
+
 def validate(cfg: PretrainConfig) -> None:
+    apply_aliases(cfg)
     checks = _hps_checks(cfg.base_hps) + [
         (cfg.depth >= 1, f"--depth must be >= 1 (got {cfg.depth})"),
         (cfg.ctx_len >= 1, f"--ctx_len must be >= 1 (got {cfg.ctx_len})"),
@@ -218,6 +243,9 @@ def validate(cfg: PretrainConfig) -> None:
         (cfg.pp >= 1, f"--pp must be >= 1 (got {cfg.pp})"),
         (cfg.pp_schedule in PP_SCHEDULES,
          f"--pp_schedule {cfg.pp_schedule!r} is unknown; choose {', '.join(PP_SCHEDULES)}"),
+        (cfg.target is None or cfg.target in TARGET_NAMES,
+         f"--target {cfg.target!r} is unknown; choose {', '.join(TARGET_NAMES)} (or give --device_memory)"),
+        (0 < cfg.mfu <= 1, f"--mfu must be in (0, 1] (got {cfg.mfu})"),
         (not (cfg.data_mixture and synthetic_kind(cfg.train_data_dir)),
          "--data_mixture mixes shard prefixes; it does not combine with --train_data_dir synthetic"),
     ]
@@ -229,6 +257,9 @@ def validate(cfg: PretrainConfig) -> None:
     check_grad_compression(cfg.grad_compression, cfg.strategy, cfg.precision)
     parse_curriculum(cfg.curriculum, cfg.ctx_len)
     check_deepspeed_options(cfg.zero_stage, cfg.offload)
+    if cfg.device_memory is not None:
+        from archscale.train.memory_model import parse_bytes
+        parse_bytes(cfg.device_memory)
     rope_scaling_factor(cfg.rope_scaling)
     from archscale.train.loggers import parse_logger_names
     parse_logger_names(cfg.logger)

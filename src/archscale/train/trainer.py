@@ -192,6 +192,7 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
         "grad_compression": parse_grad_compression(cfg.grad_compression).describe(),
         "notes": dry_run_notes(cfg),
         **({"pipeline": pipeline_summary(cfg, m.n_layer, plan.grad_accum)} if cfg.pp > 1 else {}),
+        **launch_estimates(cfg, m, plan, world_size),
     }
 
 
@@ -199,6 +200,18 @@ def layout_summary(m: ModelConfig) -> dict:
     """The layout as the dry run shows it: the layout's name and source, one compact line per layer."""
     return {"name": m.arch, "source": m.layout.get("source", ""), "cross_decoder_start": m.cross_decoder_start,
             "layers": [layer_label(layer) for layer in m.layers]}
+def launch_estimates(cfg: PretrainConfig, m: ModelConfig, plan: Plan, world_size: int) -> dict:
+    """The dry run's "memory" (per-rank peak, fits or not, a suggestion) and "step_time" sections."""
+    from archscale.train import memory_model as mm
+
+    on_gpu = cfg.target is not None or cfg.device_memory is not None or torch.cuda.is_available()
+    shape = mm.shape_of(dataclasses.replace(cfg, vocab_size=plan.vocab_size), world_size,
+                        device="cuda" if on_gpu else "cpu")
+    memory = mm.memory_section(m, shape, mm.parse_bytes(cfg.device_memory) if cfg.device_memory else None,
+                               cfg.target)
+    step = mm.step_time(plan.flops_per_token, plan.batch_tokens, plan.total_tokens, world_size,
+                        mm.parameter_counts(m, shape)["params"], shape, target=cfg.target or "h100", mfu=cfg.mfu)
+    return {"memory": memory, "step_time": step}
 
 
 def dry_run_notes(cfg: PretrainConfig) -> list[str]:

@@ -20,7 +20,7 @@ from archscale.config import ModelConfig
 from archscale.models.attention_ops import attend, flash_attn_func
 from archscale.models.cache import KVCache, WindowKVCache
 from archscale.models.mixers.base import (BIAS, MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, LayerOption,
-                                         MixerSpec, register)
+                                         MixerSpec, SaveEnv, register)
 from archscale.models.mixers.diff_attention import DifferentialAttention
 from archscale.models.rope import apply_rope
 
@@ -135,6 +135,45 @@ LAYER_OPTIONS = (
     LayerOption("nope", KINDS, (), _bool_problem),
 )
 
+def attention_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
+    """Per token, in the activation dtype: the projection's input (d), q and the attention output (H hd each; the
+    output is also out-proj's input), k and v (G hd each; a cross layer reads the KV layer's), RoPE's rotated q/k,
+    plus the kernel's fp32 log-sum-exp per head. On CPU a window shorter than the sequence adds its boolean mask
+    (2 T bytes per token up to 2W, then the blocked path's 2W-key blocks). Checkpointed, the YOCO KV layer keeps
+    the shared K/V (its fused projection output) alive for the cross-decoder, and "kv_mem" its memory too."""
+    a, q, kv, T = env.act_bytes, config.n_head * config.head_size, config.n_query_groups * config.head_size, env.seq_len
+    if env.act_ckpt:
+        if kind in ("kv", "kv_mem"):
+            return {"shared_kv": a * (q + 2 * kv), **({"gmu_memory": a * q} if kind == "kv_mem" else {})}
+        return {}
+    if config.use_da:
+        return diff_attention_saved(config, kind, env)
+    out = {"attention": a * (config.n_embd + 2 * q + (0 if kind == "cross" else 2 * kv)) + 4 * config.n_head}
+    if not config.nope:
+        out["rope"] = a * (q + (0 if kind == "cross" else kv))
+    W = config.sliding_window
+    if env.device == "cpu" and kind == "swa" and 0 < W < T:
+        out["window_mask"] = 2 * T if T <= 2 * W else a * (q + 4 * kv) + 2 * W
+    return out
+
+
+def diff_attention_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
+    """Differential attention (every attention kind alike, measured): the projection's input (d) and, per query
+    channel, q, both maps' outputs at the pair width, the fp32 pair norm's input and output and the fp32
+    lambda-weighted difference (5 H hd in the activation dtype + 5 H hd fp32); on CPU the unequal q / v head widths
+    send SDPA to its math path, which keeps the attention probabilities (DA_MAP_BYTES per head and key; a window
+    shorter than the sequence runs it masked, past 2W on blocks of 2W keys: measured T + 12 W bytes per head)."""
+    a, q, T, W = env.act_bytes, config.n_head * config.head_size, env.seq_len, config.sliding_window
+    out = {"diff_attention": a * config.n_embd + (5 * a + 20) * q + 2 * config.n_head}
+    if env.device == "cpu":
+        blocked = kind == "swa" and 0 < 2 * W < T
+        out["diff_attention_maps"] = config.n_head * (T + 12 * W if blocked else DA_MAP_BYTES * T)
+    return out
+
+
+DA_MAP_BYTES = 4.0  # per (head, key) on CPU's causal math path (measured at T = 64..256 and 512)
+
+
 SPEC = register(MixerSpec(
     name="attention",
     kinds=KINDS,
@@ -149,9 +188,11 @@ SPEC = register(MixerSpec(
     state=KVCache,
     varlen="exact: block-diagonal causal mask over documents (one causal call per document past 4K positions)",
     memory_width=lambda config, kind: config.n_head * config.head_size if kind == "kv_mem" else 0,
+    saved=attention_saved,
     kernels=(KernelRef("flash_attn_func", lambda: flash_attn_func is not None and torch.cuda.is_available(),
                        "archscale.models.attention_ops.attention_mask + SDPA",
-                       "tests/test_attention.py::test_flash_attn_matches_sdpa"),),
+                       "tests/test_attention.py::test_flash_attn_matches_sdpa",
+                       "on a CUDA machine: pip install flash-attn --no-build-isolation (extra `cuda`)"),),
     layer_options=LAYER_OPTIONS,
     provides=(("kv", ("shared_kv",)), ("kv_mem", ("shared_kv",))),
     needs=(("cross", ("shared_kv",)),),

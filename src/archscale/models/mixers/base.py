@@ -13,6 +13,11 @@ A mixer module builds `nn.Module`s that map `(x, ctx) -> y` (x, y: (B, T, n_embd
 - `state`: the decode-state type it keeps in `InferenceCache` (None if stateless);
 - `varlen`: how it honours document masks (`ctx.doc_ids`);
 - `memory_width(config, kind)`: for kinds that export GMU memory, the memory's width (else 0);
+- `saved(config, kind, env)`: bytes per token the layer keeps for backward (a `SaveEnv` gives the sequence length,
+  the activation element size, activation checkpointing and the device), as named terms; "per_layer" is a term in
+  bytes per layer whatever the token count. Autocast's weight copies are not in it (shared code counts them).
+  Under `env.act_ckpt` (per-block checkpointing) it is what outlives the block: exported GMU memory, YOCO's K/V.
+  The memory model (`train/memory_model.py`) sums it over the layers;
 - `kernels`: optional fast kernels, each with its pure-PyTorch reference and the test that compares them;
 - `active(config, rel)`: the fraction of a parameter one token uses (a mixture of experts: top_k / n_experts);
 - `tests`: the reference tests ("tests/file.py::test_name") that check it against a naive implementation;
@@ -72,6 +77,7 @@ class KernelRef:
     available: Callable[[], bool]
     reference: str
     test: str
+    install: str = ""  # how to get it where it is missing (`archscale doctor` prints it)
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,20 @@ def no_memory(config: ModelConfig, kind: str) -> int:
 
 
 @dataclass(frozen=True)
+class SaveEnv:
+    """What a mixer's `saved` declaration depends on besides the model config."""
+
+    seq_len: int
+    act_bytes: int = 2  # bytes of an activation element: 2 under bf16/fp16-mixed autocast, 4 in fp32
+    act_ckpt: bool = False  # per-block activation checkpointing: only what outlives the block stays
+    device: str = "cuda"  # "cpu" | "cuda": which attention / scan kernels run, hence what they keep
+
+
+def no_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
+    return {}
+
+
+@dataclass(frozen=True)
 class MixerSpec:
     name: str
     kinds: tuple[str, ...]
@@ -106,6 +126,7 @@ class MixerSpec:
     state: Optional[type] = None
     varlen: str = ""
     memory_width: Callable[[ModelConfig, str], int] = no_memory
+    saved: Callable[[ModelConfig, str, SaveEnv], dict[str, float]] = no_saved
     kernels: tuple[KernelRef, ...] = ()
     slot: str = "mixer"
     # std of a "scheme" weight under mu-P when its module's own init is not PyTorch's Linear default (else None)

@@ -29,8 +29,8 @@ from torch import Tensor, nn
 from archscale.config import ModelConfig
 from archscale.errors import UserError
 from archscale.kernels.gated_delta import fla_available, gated_delta_rule, gated_delta_step
-from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, options_of,
-                                         register)
+from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, SaveEnv,
+                                         options_of, register)
 
 
 @dataclass
@@ -239,6 +239,24 @@ def gdn_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float]:
             "scan_elementwise": 12.0 * H * (K + V) + 8.0 * value_dim}
 
 
+def gdn_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
+    """Per token: the input cast once per projection (6 d in the activation dtype: autocast does not share casts of
+    activations); per q|k|v channel the projections, conv and silu outputs and the kernel's fp32 l2-normed inputs
+    and factors (4 elements in the activation dtype + 17 B fp32, measured); per head the chunked kernel's fp32
+    chunk-by-chunk products (C per token, 24.5 B each; C = the chunk length at this sequence length) and its fp32
+    (K, V) state at every chunk start (4 K V / C per token). "gdn_mem" keeps its output (the GMU memory, fp32)
+    across a checkpointed block."""
+    opts = options(config)
+    H, K, V, value_dim = widths(config, opts)
+    memory = {"gmu_memory": 4 * value_dim} if kind == "gdn_mem" else {}
+    if env.act_ckpt:
+        return memory
+    C = min(opts.chunk_size, 1 << (max(env.seq_len, 1) - 1).bit_length())
+    channels = 2 * H * K + value_dim
+    return {"gdn_inputs": env.act_bytes * 6 * config.n_embd, "gdn": (env.act_bytes * 4 + 17) * channels,
+            "gdn_chunks": 24.5 * H * C, "gdn_states": 4 * H * K * V / C}
+
+
 SPEC = register(MixerSpec(
     name="gdn",
     kinds=("gdn", "gdn_mem"),
@@ -260,7 +278,9 @@ SPEC = register(MixerSpec(
     state=GDNState,
     varlen="exact: the conv taps and the delta-rule state restart at every document start",
     memory_width=lambda config, kind: widths(config, options(config))[3] if kind == "gdn_mem" else 0,
+    saved=gdn_saved,
     kernels=(KernelRef("fla.chunk_gated_delta_rule", fla_available,
                        "archscale.kernels.gated_delta._recurrence_ref",
-                       "tests/test_gated_delta.py::test_fla_kernel_matches_chunked"),),
+                       "tests/test_gated_delta.py::test_fla_kernel_matches_chunked",
+                       "on a CUDA machine: pip install flash-linear-attention (extra `cuda`)"),),
 ))

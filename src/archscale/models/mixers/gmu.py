@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from archscale.config import ModelConfig
-from archscale.models.mixers.base import (BIAS, MATRIX, OUTPUT, VECTOR, ForwardContext, MixerSpec, memory_source,
-                                         register)
+from archscale.models.mixers.base import (BIAS, MATRIX, OUTPUT, VECTOR, ForwardContext, MixerSpec, SaveEnv,
+                                         memory_source, register)
 from archscale.models.norm import RMSNorm
 
 
@@ -47,6 +47,18 @@ class GMUMixer(GMU):
         return super().forward(x, ctx.memory)
 
 
+def gmu_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
+    """Per token: in_proj's input (d) and, over the memory width m, the gate, its silu and out_proj's input in the
+    activation dtype (GMU); nGMU's gated norm runs in fp32 instead: the fp32 memory, gate, product, normalised
+    product and out_proj's input (5 m fp32) plus the norm's 1/rms. Nothing outlives a checkpointed block."""
+    if env.act_ckpt:
+        return {}
+    d, m, a = config.n_embd, memory_source(config, config.layer_kinds.index(kind))[1], env.act_bytes
+    if kind == "ngmu":
+        return {"gmu": a * d + 4 * (5 * m + 1)}
+    return {"gmu": a * (d + 3 * m)}
+
+
 SPEC = register(MixerSpec(
     name="gmu",
     kinds=("gmu", "ngmu"),
@@ -58,4 +70,5 @@ SPEC = register(MixerSpec(
     tests=("tests/test_attention.py::test_gmu_matches_formula", "tests/test_attention.py::test_ngmu_matches_formula"),
     varlen="exact: per position (the memory it reads is already document-masked)",
     needs=(("gmu", ("memory",)), ("ngmu", ("memory",))),
+    saved=gmu_saved,
 ))

@@ -27,8 +27,8 @@ from archscale.config import ModelConfig
 from archscale.kernels import scan_cpu
 from archscale.kernels.selective_scan import (cuda_scan_available, runs_cpu_kernel, selective_scan,
                                               selective_state_update)
-from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, options_of,
-                                         register)
+from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, SaveEnv,
+                                         options_of, register)
 from archscale.models.norm import RMSNorm
 
 
@@ -205,6 +205,21 @@ def mamba_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float
     return {"scan_elementwise": 9.0 * d_inner * opts.d_state, "conv": 2.0 * d_inner * opts.d_conv}
 
 
+def mamba_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
+    """Per token: in_proj's input and output, the conv output, x_proj's input and dt, the scan's fp32 inputs
+    (u, delta, z) and its B/C (7 d_inner + dt_rank + 6 d_state in the activation dtype, 3 d_inner fp32; measured
+    with `memory_measure.saved_by_block`), plus per layer the fp32 A = -exp(A_log) and its scan copies.
+    "mamba_mem" also keeps its fp32 pre-gate output (the GMU memory), which outlives a checkpointed block."""
+    opts = options(config)
+    di, a = opts.expand * config.n_embd, env.act_bytes
+    memory = {"gmu_memory": 4 * di} if kind == "mamba_mem" else {}
+    if env.act_ckpt:
+        return memory
+    dt_rank = math.ceil(config.n_embd / 16)
+    return {"mamba": a * (7 * di + dt_rank + 6 * opts.d_state) + 4 * 3 * di, **memory,
+            "per_layer": 6.5 * di * opts.d_state}
+
+
 SPEC = register(MixerSpec(
     name="mamba",
     kinds=("mamba", "mamba_mem"),
@@ -225,13 +240,17 @@ SPEC = register(MixerSpec(
     state=MambaState,
     varlen="exact: the conv taps and the SSM state restart at every document start",
     memory_width=lambda config, kind: options(config).expand * config.n_embd if kind == "mamba_mem" else 0,
+    saved=mamba_saved,
     kernels=(KernelRef("mamba_ssm.selective_scan_fn", cuda_scan_available,
                        "archscale.kernels.selective_scan._scan_ref",
-                       "tests/test_mamba.py::test_cuda_kernel_module_matches_reference"),
+                       "tests/test_mamba.py::test_cuda_kernel_module_matches_reference",
+                       "on a CUDA machine: pip install mamba-ssm causal-conv1d (extra `cuda`)"),
              KernelRef("archscale.kernels.scan_cpu (C++, built on first use)", scan_cpu.available,
                        "archscale.kernels.selective_scan._scan_ref",
-                       "tests/test_selective_scan.py::test_chunked_matches_ref_fp32"),
+                       "tests/test_selective_scan.py::test_chunked_matches_ref_fp32",
+                       "install a C++ compiler (apt-get install g++, or set CXX); it is built on first use"),
              KernelRef("archscale.kernels.scan_cpu.conv_silu (C++, same module)", scan_cpu.available,
                        "torch.nn.functional.conv1d + silu (Mamba._conv)",
-                       "tests/test_selective_scan.py::test_conv_silu_matches_torch")),
+                       "tests/test_selective_scan.py::test_conv_silu_matches_torch",
+                       "install a C++ compiler (apt-get install g++, or set CXX); it is built on first use")),
 ))

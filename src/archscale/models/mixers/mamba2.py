@@ -31,8 +31,8 @@ from torch import Tensor, nn
 from archscale.config import ModelConfig
 from archscale.errors import UserError
 from archscale.kernels.ssd import TORCH_CHUNK, chunk_layout, cuda_ssd_available, ssd_scan, ssd_state_update
-from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, options_of,
-                                         register)
+from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, SaveEnv,
+                                         options_of, register)
 
 
 @dataclass
@@ -219,6 +219,25 @@ def mamba2_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, floa
             "scan_elementwise": elementwise}
 
 
+def mamba2_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
+    """Per token: in_proj's input and output, the conv and silu outputs, the scan's fp32 inputs and output and the
+    gated norm's fp32 input (7.5 d_inner elements in the activation dtype + 30 B per d_inner channel in fp32), B/C
+    (33 B per group state, fp32) and, in the torch chunked scan (CPU), three fp32 Q x Q matrices per head and chunk
+    (decay mask, C B^T, their product: 12 B per head and chunk position, Q = the chunk length at this sequence
+    length; mamba-ssm's CUDA kernel recomputes them). Measured with `memory_measure.saved_by_block`. "mamba2_mem"
+    keeps its fp32 output (the nGMU memory) across a checkpointed block."""
+    opts = options(config)
+    di = d_inner(config)
+    memory = {"gmu_memory": 4 * di} if kind == "mamba2_mem" else {}
+    if env.act_ckpt:
+        return memory
+    out = {"mamba2": env.act_bytes * 7.5 * di + 30 * di + 33 * 2 * opts.ngroups * opts.d_state}
+    if env.device == "cpu":
+        _, Q = chunk_layout(env.seq_len, min(opts.chunk_size, TORCH_CHUNK))
+        out["scan_chunks"] = 12.0 * (di // opts.headdim) * Q
+    return out
+
+
 SPEC = register(MixerSpec(
     name="mamba2",
     kinds=("mamba2", "mamba2_mem"),
@@ -236,7 +255,9 @@ SPEC = register(MixerSpec(
     state=Mamba2State,
     varlen="exact: the conv taps and the SSM state restart at every document start (SSD sequence index)",
     memory_width=lambda config, kind: d_inner(config) if kind == "mamba2_mem" else 0,
+    saved=mamba2_saved,
     kernels=(KernelRef("mamba_ssm.mamba_chunk_scan_combined", cuda_ssd_available,
                        "archscale.kernels.ssd._ssd_ref",
-                       "tests/test_mamba2.py::test_cuda_kernel_module_matches_reference"),),
+                       "tests/test_mamba2.py::test_cuda_kernel_module_matches_reference",
+                       "on a CUDA machine: pip install mamba-ssm causal-conv1d (extra `cuda`)"),),
 ))

@@ -34,7 +34,8 @@ from torch import nn
 
 from archscale.config import ModelConfig
 from archscale.errors import UserError
-from archscale.models.mixers.base import BIAS, MATRIX, OUTPUT, ForwardContext, MixerSpec, Role, options_of, register
+from archscale.models.mixers.base import (BIAS, MATRIX, OUTPUT, ForwardContext, MixerSpec, Role, SaveEnv, options_of,
+                                         register)
 from archscale.models.mixers.swiglu import SwiGLU
 
 ROUTER_STD = 0.02  # ArchScale's Router.reset_parameters: N(0, 0.02) whatever the parametrization
@@ -198,6 +199,19 @@ def moe_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float]:
     return {"moe_router": 2.0 * config.n_embd * moe_options(config).n_experts}
 
 
+def moe_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
+    """Per token: the router's fp32 input and logits (d + E), the k gates; per routed assignment (k per token) the
+    gathered input (fp32, and its cast for w1), each expert's SwiGLU like the dense one (d + 4 h in the activation
+    dtype), its fp32 output for the gate product; the shared experts as a dense SwiGLU of n_shared h."""
+    if env.act_ckpt:
+        return {}
+    o, a, d = moe_options(config), env.act_bytes, config.n_embd
+    h = expert_hidden(config, o)
+    routed = o.top_k * (4 * d + a * (d + 4 * h) + 4 * d + 4)
+    shared = a * (d + 4 * o.n_shared * h) if o.n_shared else 0
+    return {"router": 4 * (d + o.n_experts + o.top_k), "experts": routed, "shared_experts": shared}
+
+
 SPEC = register(MixerSpec(
     name="moe",
     slot="ffn",
@@ -215,5 +229,6 @@ SPEC = register(MixerSpec(
            "tests/test_external_hybrids.py::test_jamba_matches_transformers"),
     varlen="exact: per token",
     mup_init_std=moe_init_std,
+    saved=moe_saved,
     active=moe_active,
 ))

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archscale.config import ModelConfig
-from archscale.models.mixers.base import BIAS, MATRIX, OUTPUT, ForwardContext, MixerSpec, register
+from archscale.models.mixers.base import BIAS, MATRIX, OUTPUT, ForwardContext, MixerSpec, SaveEnv, register
 
 
 class SwiGLU(nn.Module):
@@ -30,6 +30,15 @@ def build(config: ModelConfig, layer_idx: int, kind: str) -> SwiGLU:
     return SwiGLU(config.n_embd, config.intermediate_size, bias=config.bias, export_memory=kind == "mlp_mem")
 
 
+def swiglu_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
+    """Per token: w1's input (d), its output [gate | input] (2 hidden), silu(gate) and w3's input (hidden each),
+    all in the activation dtype. Checkpointed, "mlp_mem" keeps its exported input half (a view of w1's output)."""
+    hidden, a = config.intermediate_size, env.act_bytes
+    if env.act_ckpt:
+        return {"gmu_memory": a * 2 * hidden} if kind == "mlp_mem" else {}
+    return {"ffn": a * (config.n_embd + 4 * hidden)}
+
+
 SPEC = register(MixerSpec(
     name="swiglu",
     slot="ffn",
@@ -41,4 +50,5 @@ SPEC = register(MixerSpec(
     tests=("tests/test_model.py::test_swiglu_matches_formula",),
     varlen="exact: per position",
     memory_width=lambda config, kind: config.intermediate_size if kind == "mlp_mem" else 0,
+    saved=swiglu_saved,
 ))
