@@ -1,7 +1,8 @@
 """`archscale export --format hf`: a run or checkpoint -> a folder `transformers` opens by itself.
 
     config.json, model.safetensors (or shards + index), generation_config.json, tokenizer.json,
-    tokenizer_config.json, README.md (model card), archscale_run.json (the training config, for provenance)
+    tokenizer_config.json, README.md (model card), archscale_run.json (the training config, for provenance),
+    archscale_manifest.json (every other file's size and sha256, checked when archscale reads the folder back)
 
 The Transformer++ becomes a native `LlamaForCausalLM` (mu-P multipliers folded into the weights, `export/hf.py`);
 every other model an `ArchScaleForCausalLM` (`export/hf_model.py`) whose folder carries two one-line Python files
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from archscale.errors import UserError
+from archscale.export.manifest import write_manifest
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RUN_FILE = "archscale_run.json"
@@ -161,5 +163,6 @@ def write_hf_folder(em, out: str | Path, dtype: str = "fp32", max_shard_size: st
         tokenizer_files(em.tokenizer, tmp, em.model.config.block_size)
         (tmp / RUN_FILE).write_text(json.dumps(em.run_cfg, indent=2, default=str) + "\n")
         (tmp / "README.md").write_text(model_card(em, em.model.config, kind, dtype))
+        write_manifest(tmp)  # last: it lists every file above with its sha256
 
     return write_atomically(out, fill)
