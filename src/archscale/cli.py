@@ -13,7 +13,8 @@
     archscale reason ...           GSM8K / MATH / AIME answers through a server or a checkpoint: pass@1, pass@k
     archscale demo                 Transformer++ vs SambaY on a small public-domain corpus, minutes on a CPU
 
-Bad input raises `UserError`, printed on one line with exit code 2 (no traceback).
+Bad input raises `UserError`, printed on one line with exit code 2 (no traceback). Every exit code is named in
+`archscale.errors` (EXIT_*) and listed in README.md, "Exit codes".
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from archscale.errors import UserError
+from archscale.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, UserError
 from archscale.train.args import explicit_flags, parse_pretrain, pretrain_parser  # noqa: F401 (the CLI's API)
 
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {}
@@ -255,15 +256,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
-        return 0
+        return EXIT_OK
     if argv[0] in ("-V", "--version"):
         from archscale import __version__
         print(__version__)
-        return 0
+        return EXIT_OK
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"archscale: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return COMMANDS[name][1](rest)
     except UserError as e:
@@ -271,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BaseException as e:  # a full disk or a read-only path is the environment, not a bug: one line
         from archscale.outputs import environment_error, os_error_line
 
@@ -279,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if found is None:
             raise
         print(f"error: {os_error_line(found)}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -143,12 +143,26 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", max_
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    shard = shard_bytes(max_shard_size)
     out = fresh_out_dir(out)
-    return write_hf_folder(load_eval_model(checkpoint, device="cpu", tokenizer=tokenizer), out, dtype,
-                           max_shard_size)
+    return write_hf_folder(load_eval_model(checkpoint, device="cpu", tokenizer=tokenizer), out, dtype, shard)
 
 
-def write_hf_folder(em, out: str | Path, dtype: str = "fp32", max_shard_size: str = "5GB") -> Path:
+def shard_bytes(size: str | int) -> int:
+    """`--max_shard_size` ("5GB", "500MB", "1000000") in bytes, as huggingface_hub reads it; a one-line error for
+    anything else (it would raise deep inside save_pretrained, after the model was built)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        n = int(size) if isinstance(size, int) or str(size).isdigit() else parse_size_to_int(str(size))
+    except (ValueError, TypeError):
+        n = None
+    if not isinstance(n, int) or n <= 0:
+        raise UserError(f"--max_shard_size {size!r}: want a positive size such as 5GB, 500MB or a byte count")
+    return n
+
+
+def write_hf_folder(em, out: str | Path, dtype: str = "fp32", max_shard_size: str | int = "5GB") -> Path:
     """The folder for an `EvalModel` (model + tokenizer + run config), written atomically."""
     fresh_out_dir(out)
     kind, hf = _build_hf_model(em.model, em.tokenizer, DTYPES[dtype])
