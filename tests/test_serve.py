@@ -38,31 +38,44 @@ def reference_greedy(model, ids, steps):
     return toks, rows
 
 
+def poison(cache) -> None:
+    """Every tensor of a prefilled cache's per-layer state (K/V buffers, recurrent states) set to NaN."""
+    for state in cache.layers.values():
+        for t in vars(state).values():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t.fill_(float("nan"))
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_decode_step_equals_the_model_alone(arch):
     """Rows that join at steps 0/2/3 with prompts of 3/9/6 tokens (longer than the window of 5) and leave after 9
-    tokens: the batched step gives each the logits of decoding it alone (1e-5) and the same greedy tokens."""
+    tokens: the batched step gives each the logits of decoding it alone (1e-5) and the same greedy tokens. A
+    poisoned neighbour (a 4th row, joining at step 1, whose whole decode state is NaN) decodes beside them: its
+    logits are non-finite at every step and nothing of it leaks into the other rows (a request fails only itself)."""
     model = tiny_model(arch, 97)
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 9, 6)]
-    refs = [reference_greedy(model, p, 9) for p in prompts]
+    prompts = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (3, 9, 6, 5)]
+    refs = [reference_greedy(model, p, 9) for p in prompts[:3]]
     batch = BatchState(model, 4)
-    got = {i: ([], []) for i in range(3)}
+    got = {i: ([], []) for i in range(4)}
     rows: list[int] = []  # request in each batch row
     for step in range(12):
-        if step in (0, 2, 3):
-            i = (0, 2, 3).index(step)
+        if step in (0, 1, 2, 3):
+            i = (0, 2, 3, 1).index(step)
             logits, cache = prefill(model, prompts[i], 40)
+            if i == 3:
+                poison(cache)
             batch.insert(cache)
             rows.append(i)
             got[i][0].append(int(logits[-1].argmax()))
             got[i][1].append(logits[-1])
         if step == 4:
-            assert batch.rows == 3  # all three decode together here
+            assert batch.rows == 4  # all four decode together here
         logits = decode_step(batch, torch.tensor([got[i][0][-1] for i in rows]))
         for r, i in enumerate(rows):
-            got[i][0].append(int(logits[r].argmax()))
+            got[i][0].append(int(logits[r].argmax()) if i != 3 else 0)
             got[i][1].append(logits[r])
+            assert torch.isfinite(logits[r]).all() == (i != 3), (step, i)
         for i in [i for i in rows if len(got[i][0]) >= 9]:
             r = rows.index(i)
             moved = batch.remove(r)

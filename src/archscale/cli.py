@@ -16,7 +16,8 @@
     archscale demo                 Transformer++ vs SambaY on a small public-domain corpus, minutes on a CPU
     archscale doctor               check this machine before a launch (versions, kernels, port, disk, data)
 
-Bad input raises `UserError`, printed on one line with exit code 2 (no traceback).
+Bad input raises `UserError`, printed on one line with exit code 2 (no traceback). Every exit code is named in
+`archscale.errors` (EXIT_*) and listed in README.md, "Exit codes".
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from archscale.errors import UserError
+from archscale.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_OK, UserError
 from archscale.progress import Progress, add_progress_flag
 from archscale.train.args import explicit_flags, parse_pretrain, pretrain_parser  # noqa: F401 (the CLI's API)
 
@@ -282,15 +283,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
-        return 0
+        return EXIT_OK
     if argv[0] in ("-V", "--version"):
         from archscale import __version__
         print(__version__)
-        return 0
+        return EXIT_OK
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"archscale: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return COMMANDS[name][1](rest)
     except UserError as e:
@@ -298,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BaseException as e:  # a full disk or a read-only path is the environment, not a bug: one line
         from archscale.outputs import environment_error, os_error_line
 
@@ -306,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if found is None:
             raise
         print(f"error: {os_error_line(found)}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

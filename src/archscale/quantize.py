@@ -140,36 +140,24 @@ def _rebuild_nf4(tensors: dict, nf4_meta: dict) -> dict:
 
 
 def load_quantized(folder: str | Path):
-    """An `Exported` (see export/load.py) holding the quantised GPT read from `folder`."""
-    from safetensors import safe_open
-
-    from archscale.config import ModelConfig
-    from archscale.export.common import Exported, _read_json, load_state_strict
-    from archscale.models.model import GPT
+    """An `Exported` (see export/load.py) holding the quantised GPT read from `folder`. The recipe's config is
+    checked by field type and against the tensors' shapes before the model is built; a tensor that does not
+    rebuild into the quantised weight the config asks for is a one-line error naming the file."""
+    from archscale.export.common import (Exported, _read_json, check_config_fits, load_state_strict, model_config_from,
+                                         tensor_shapes)
 
     folder = Path(folder)
     recipe = _read_json(folder / RECIPE_FILE, f"--checkpoint {folder}")
     if recipe.get("method") not in METHODS or not isinstance(recipe.get("model"), dict):
         raise UserError(f"--checkpoint {folder}: {RECIPE_FILE} names no known method / model config")
+    cfg = model_config_from(recipe["model"], str(folder), RECIPE_FILE)
+    check_config_fits(cfg, tensor_shapes([folder / WEIGHTS_FILE]), "plain", str(folder), RECIPE_FILE)
     _torchao()
-    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
-
     try:
-        with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
-            meta = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, ValueError, RuntimeError) as e:
-        raise UserError(f"--checkpoint {folder}: cannot read {WEIGHTS_FILE} ({str(e).splitlines()[0]})") from None
-    nf4 = _rebuild_nf4(tensors, json.loads(meta.pop(NF4_META, "{}")))
-    quant = dict(nf4)
-    if "tensor_names" in meta:
-        meta.pop("format", None)
-        int8, tensors = unflatten_tensor_state_dict(tensors, meta)
-        quant.update({k: v for k, v in int8.items() if k not in tensors})
-    model = GPT(ModelConfig(**recipe["model"]))
-    for k, t in quant.items():
-        module = model.get_submodule(k.rsplit(".", 1)[0])
-        module.weight = nn.Parameter(t, requires_grad=False)
+        model, quant, tensors = _assemble(folder, cfg)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+        raise UserError(f"--checkpoint {folder}: {WEIGHTS_FILE} does not rebuild into the {recipe['method']} model "
+                        f"{RECIPE_FILE} describes ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     load_state_strict(model, tensors, str(folder), skip=set(quant))
     tok = folder / "tokenizer.json"
     run_cfg = _read_json(folder / "archscale_run.json", str(folder)) if (folder / "archscale_run.json").is_file() \
@@ -177,3 +165,30 @@ def load_quantized(folder: str | Path):
     run_cfg["model"] = recipe["model"]
     return Exported(model.eval(), run_cfg, tok if tok.is_file() else None, "quantized",
                     {"method": recipe["method"], "quantized": recipe.get("quantized", [])})
+
+
+def _assemble(folder: Path, cfg) -> tuple[nn.Module, dict, dict]:
+    """(the GPT with its quantised weights set, those weights by name, the plain tensors left to load)."""
+    from safetensors import safe_open
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    from archscale.models.model import GPT
+
+    with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    nf4 = _rebuild_nf4(tensors, json.loads(meta.pop(NF4_META, "{}")))
+    quant = dict(nf4)
+    if "tensor_names" in meta:
+        meta.pop("format", None)
+        int8, tensors = unflatten_tensor_state_dict(tensors, meta)
+        quant.update({k: v for k, v in int8.items() if k not in tensors})
+    model = GPT(cfg)
+    for k, t in quant.items():
+        module = model.get_submodule(k.rsplit(".", 1)[0])
+        inner = getattr(t, "qdata", None)
+        if tuple(t.shape) != tuple(module.weight.shape) or (inner is not None and inner.shape != t.shape):
+            raise ValueError(f"{k} is {tuple(inner.shape if inner is not None else t.shape)}, the config makes "
+                             f"{tuple(module.weight.shape)}")
+        module.weight = nn.Parameter(t, requires_grad=False)
+    return model, quant, tensors

@@ -19,6 +19,7 @@ def quantize_checkpoint(checkpoint: str | Path, method: str, out: str | Path, to
     from archscale.eval.loading import load_eval_model
     from archscale.export.hf_folder import RUN_FILE, fresh_out_dir, tokenizer_files, write_atomically
     from archscale.export.load import exported_kind
+    from archscale.export.manifest import write_manifest
 
     if method not in METHODS:
         raise UserError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -38,6 +39,7 @@ def quantize_checkpoint(checkpoint: str | Path, method: str, out: str | Path, to
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
         (tmp / RUN_FILE).write_text(json.dumps(em.run_cfg, indent=2, default=str) + "\n")
         tokenizer_files(em.tokenizer, tmp, em.model.config.block_size)
+        write_manifest(tmp)  # last: every file above with its sha256
 
     with progress.stage(f"quantize: writing {out}"):
         write_atomically(out, fill)

@@ -54,6 +54,11 @@ def run_lm_eval(argv: list[str]) -> int:
         cli_evaluate()
     except SystemExit as e:  # argparse --help / usage errors
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except ValueError as e:  # lm-eval checks --tasks against its index and --include_path: bad input, one line
+        if not str(e).startswith("Tasks not found"):
+            raise
+        raise UserError(f"--tasks: {str(e).splitlines()[0]} (lm-eval's index and --include_path; `lm_eval ls "
+                        "tasks` lists them)") from None
     finally:
         sys.argv = saved
         ArchScaleLM.cli_default_device = None

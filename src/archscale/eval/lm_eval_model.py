@@ -62,6 +62,18 @@ def _check_config_name(name: str, cfg) -> None:
                         f"{cfg.arch}_d{cfg.n_layer}; drop config= (it is read from the checkpoint)")
 
 
+def _positive_int_arg(kv: dict, key: str, default: int | None = None) -> int:
+    """A --model_args number (lm-eval hands over "abc", 1.5 or True as they were typed): a positive integer or a
+    one-line error naming the key."""
+    from archscale.errors import UserError
+
+    value = kv.get(key, default)
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isdigit())) \
+            or int(value) < 1:
+        raise UserError(f"--model_args {key}={value}: want a positive integer")
+    return int(value)
+
+
 @register_model("archscale", "ArchScale")
 class ArchScaleLM(LM):
     # The value lm-eval's command line passes as `device` when the user gave no --device (set by
@@ -128,10 +140,10 @@ class ArchScaleLM(LM):
         if bos not in ("true", "false"):
             raise UserError(f"--model_args add_bos_token={kv['add_bos_token']}: use True or False")
         return cls(pretrained=kv.get("pretrained") or kv.get("checkpoint"), tokenizer=kv.get("tokenizer"),
-                   max_length=int(kv["max_length"]) if kv.get("max_length") else None,
+                   max_length=_positive_int_arg(kv, "max_length") if kv.get("max_length") is not None else None,
                    precision=PRECISIONS[precision], device=kv.get("device", extra.get("device")),
                    batch_size=int(batch), config=kv.get("config"), add_bos_token=bos == "true",
-                   max_gen_toks=int(kv.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)))
+                   max_gen_toks=_positive_int_arg(kv, "max_gen_toks", DEFAULT_MAX_GEN_TOKS))
 
     # ------------------------------------------------------------------------------------------- helpers
     @property

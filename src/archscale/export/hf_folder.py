@@ -1,7 +1,8 @@
 """`archscale export --format hf`: a run or checkpoint -> a folder `transformers` opens by itself.
 
     config.json, model.safetensors (or shards + index), generation_config.json, tokenizer.json,
-    tokenizer_config.json, README.md (model card), archscale_run.json (the training config, for provenance)
+    tokenizer_config.json, README.md (model card), archscale_run.json (the training config, for provenance),
+    archscale_manifest.json (every other file's size and sha256, checked when archscale reads the folder back)
 
 The Transformer++ becomes a native `LlamaForCausalLM` (mu-P multipliers folded into the weights, `export/hf.py`);
 every other model an `ArchScaleForCausalLM` (`export/hf_model.py`) whose folder carries two one-line Python files
@@ -21,6 +22,7 @@ import torch
 
 from archscale.errors import UserError
 from archscale.progress import Progress
+from archscale.export.manifest import write_manifest
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RUN_FILE = "archscale_run.json"
@@ -142,14 +144,29 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", max_
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    shard = shard_bytes(max_shard_size)
     out = fresh_out_dir(out)
     progress = progress or Progress(show=False)
     with progress.stage(f"export: loading {checkpoint}", log=False):
         em = load_eval_model(checkpoint, device="cpu", tokenizer=tokenizer)
-    return write_hf_folder(em, out, dtype, max_shard_size, progress)
+    return write_hf_folder(em, out, dtype, shard, progress)
 
 
-def write_hf_folder(em, out: str | Path, dtype: str = "fp32", max_shard_size: str = "5GB",
+def shard_bytes(size: str | int) -> int:
+    """`--max_shard_size` ("5GB", "500MB", "1000000") in bytes, as huggingface_hub reads it; a one-line error for
+    anything else (it would raise deep inside save_pretrained, after the model was built)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        n = int(size) if isinstance(size, int) or str(size).isdigit() else parse_size_to_int(str(size))
+    except (ValueError, TypeError):
+        n = None
+    if not isinstance(n, int) or n <= 0:
+        raise UserError(f"--max_shard_size {size!r}: want a positive size such as 5GB, 500MB or a byte count")
+    return n
+
+
+def write_hf_folder(em, out: str | Path, dtype: str = "fp32", max_shard_size: str | int = "5GB",
                     progress: Progress | None = None) -> Path:
     """The folder for an `EvalModel` (model + tokenizer + run config), written atomically."""
     fresh_out_dir(out)
@@ -173,6 +190,7 @@ def write_hf_folder(em, out: str | Path, dtype: str = "fp32", max_shard_size: st
         tokenizer_files(em.tokenizer, tmp, em.model.config.block_size)
         (tmp / RUN_FILE).write_text(json.dumps(em.run_cfg, indent=2, default=str) + "\n")
         (tmp / "README.md").write_text(model_card(em, em.model.config, kind, dtype))
+        write_manifest(tmp)  # last: it lists every file above with its sha256
 
     with progress.stage(f"export: writing {out}"):
         return write_atomically(out, fill)

@@ -6,7 +6,10 @@
     FILE.safetensors                           `archscale export --format safetensors` (config in its metadata)
 
 Nothing here runs code from the folder: the config is JSON and the weights are safetensors (`transformers` is
-not needed). Weights are loaded strictly: a missing or unexpected tensor is a one-line error.
+not needed). A folder is first checked against its `archscale_manifest.json` (every file's size and sha256:
+`export/manifest.py`); the recorded config is checked field by field (types) and against the tensors' shapes
+(vocabulary, depth, widths) before a model is built; weights are loaded strictly. Any mismatch is a one-line error
+naming the file or field.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 
 from archscale.config import ModelConfig
 from archscale.errors import UserError
-from archscale.export.common import Exported, _read_json, load_state_strict  # noqa: F401 (re-exported)
+from archscale.export.common import (Exported, _read_json, check_config_fits, load_state_strict,  # noqa: F401
+                                     model_config_from, tensor_shapes)
 
 QUANT_FILE = "archscale_quantized.json"
 
@@ -43,21 +47,31 @@ def exported_kind(path: str | Path) -> str | None:
     return None
 
 
-def read_safetensors_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """All tensors of model.safetensors or of the shards its index lists, plus the first file's metadata."""
-    from safetensors import safe_open
-
+def weight_files(folder: Path) -> list[Path]:
+    """model.safetensors, or the shards its index lists (each inside the folder)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(_read_json(index, f"--checkpoint {folder}").get("weight_map", {}).values()))
+        weight_map = _read_json(index, f"--checkpoint {folder}").get("weight_map", {})
+        files = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
+        if not files or not all(isinstance(n, str) for n in files):
+            raise UserError(f"--checkpoint {folder}: model.safetensors.index.json lists no weight files")
     else:
         files = ["model.safetensors"]
-    tensors: dict[str, torch.Tensor] = {}
-    meta: dict[str, str] = {}
     for name in files:
         path = folder / name
         if not path.is_file() or path.parent.resolve() != folder.resolve():
             raise UserError(f"--checkpoint {folder}: weight file {name} is missing")
+    return [folder / n for n in files]
+
+
+def read_safetensors_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors of model.safetensors or of the shards its index lists, plus the first file's metadata."""
+    from safetensors import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, str] = {}
+    for path in weight_files(folder):
+        name = path.name
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = meta or dict(f.metadata() or {})
@@ -67,21 +81,26 @@ def read_safetensors_folder(folder: Path) -> tuple[dict[str, torch.Tensor], dict
     return tensors, meta
 
 
-def _model_config(d: dict, where: str) -> ModelConfig:
-    if not isinstance(d, dict) or not d:
-        raise UserError(f"--checkpoint {where}: no archscale model config recorded (was it exported by archscale?)")
-    try:
-        return ModelConfig(**d)
-    except TypeError as e:
-        raise UserError(f"--checkpoint {where}: the recorded model config does not fit this version of archscale "
-                        f"({str(e).splitlines()[0]})") from None
+_HF_FIELDS = {"vocab_size": "vocab_size", "hidden_size": "n_embd", "num_hidden_layers": "n_layer",
+              "num_attention_heads": "n_head"}
+
+
+def _check_hf_fields(cfg_json: dict, cfg: ModelConfig, folder: Path) -> None:
+    """The fields transformers reads and the "archscale" config we read must describe the same model."""
+    for hf_name, ours in _HF_FIELDS.items():
+        if hf_name in cfg_json and cfg_json[hf_name] != getattr(cfg, ours):
+            raise UserError(f"--checkpoint {folder}: config.json: {hf_name} = {cfg_json[hf_name]!r} but the "
+                            f"archscale config's {ours} = {getattr(cfg, ours)!r}; they must agree")
 
 
 def _load_hf_folder(folder: Path, kind: str) -> Exported:
     from archscale.models.model import GPT
 
     cfg_json = _read_json(folder / "config.json", f"--checkpoint {folder}")
-    cfg = _model_config(cfg_json.get("archscale"), str(folder))
+    cfg = model_config_from(cfg_json.get("archscale"), str(folder), "config.json")
+    _check_hf_fields(cfg_json, cfg, folder)
+    check_config_fits(cfg, tensor_shapes(weight_files(folder)), "llama" if kind == "hf-llama" else "hf",
+                      str(folder), "config.json")
     tensors, _ = read_safetensors_folder(folder)
     model = GPT(cfg)
     if kind == "hf-llama":
@@ -119,7 +138,9 @@ def _load_safetensors_file(path: Path) -> Exported:
         cfg_dict = json.loads(meta.get("archscale_model_config", "{}"))
     except json.JSONDecodeError:
         cfg_dict = None
-    cfg = _model_config(cfg_dict, str(path))
+    cfg = model_config_from(cfg_dict, str(path), "its archscale_model_config metadata")
+    check_config_fits(cfg, {k: tuple(v.shape) for k, v in tensors.items()}, "plain", str(path),
+                      "its archscale_model_config metadata")
     model = GPT(cfg)
     load_state_strict(model, tensors, str(path))
     return Exported(model.eval(), {"model": cfg.to_dict()}, None, "safetensors", {"step": meta.get("step")})
@@ -131,6 +152,9 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu") -> Expor
     kind = exported_kind(p)
     if kind is None:
         raise UserError(f"--checkpoint {path}: not an exported archscale model")
+    if kind != "safetensors":  # a folder: every file exactly as exported before any is read
+        from archscale.export.manifest import verify_manifest
+        verify_manifest(p)
     if kind == "quantized":
         from archscale.quantize import load_quantized
         ex = load_quantized(p)

@@ -58,6 +58,8 @@ def prompt_for(task: Task, item: dict) -> str:
 def gold_for(task: Task, item: dict) -> str:
     """The reference answer as a string, from the item's fields (see the module docstring)."""
     if task.name == "gsm8k":
+        if item.get("answer") is None:
+            raise KeyError("answer")
         ans = str(item["answer"])
         return ans.split("####")[-1].strip()
     if "answer" in item and item["answer"] is not None:
@@ -69,11 +71,23 @@ def gold_for(task: Task, item: dict) -> str:
 
 
 def check_item(task: Task, item: dict, line: int, path: str) -> None:
-    missing = [f for f in (task.question_field,) if not isinstance(item.get(f), str) and "prompt" not in item]
-    has_gold = "answer" in item or (task.name == "math" and "solution" in item)
-    if missing or not has_gold:
-        need = f'"{task.question_field}" and "answer"' + (' (or "solution")' if task.name == "math" else "")
-        raise UserError(f"--data {path}:{line}: a {task.name} item needs {need} fields")
+    """Everything scoring will read, checked now (before any sampling): a prompt or question that is text, and a
+    reference answer (a non-empty string or number; MATH: or a solution with a \\boxed answer)."""
+    need = f'"{task.question_field}" and "answer"' + (' (or "solution")' if task.name == "math" else "")
+    where = f"--data {path}:{line}: a {task.name} item"
+    if not isinstance(item.get("prompt", item.get(task.question_field)), str):
+        raise UserError(f"{where} needs {need} fields (\"{task.question_field}\" or \"prompt\" as text)")
+    answer = item.get("answer")
+    if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
+        raise UserError(f"{where}: \"answer\" must be a string or a number, got {type(answer).__name__}")
+    if "answer" not in item and not (task.name == "math" and "solution" in item):
+        raise UserError(f"{where} needs {need} fields")
+    try:
+        gold = gold_for(task, item)
+    except KeyError:
+        raise UserError(f"{where}: no \"answer\", and its \"solution\" has no \\boxed{{...}} answer") from None
+    if not gold:
+        raise UserError(f"{where}: the reference answer is empty")
 
 
 # ------------------------------------------------------------------------------------------------- GSM8K

@@ -54,7 +54,11 @@ def read_prompts(path: str | None) -> list[str]:
     if not p.is_file():
         raise UserError(f"--prompts {path}: no such file")
     prompts = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--prompts {path}: not UTF-8 text (byte {e.start})") from None
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if p.suffix == ".jsonl":
@@ -133,9 +137,7 @@ async def run_load(base_url: str, model: str | None, concurrency: int, duration:
                    progress: Progress | None = None) -> dict:
     import httpx
 
-    base = base_url.rstrip("/")
-    if not base.endswith("/v1"):
-        base += "/v1"
+    base = api_base(base_url, "--url")
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         if model is None:
@@ -167,6 +169,21 @@ async def run_load(base_url: str, model: str | None, concurrency: int, duration:
     doc = summarize(results, wall, concurrency)
     doc.update(url=base_url, model=model, max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos)
     return doc
+
+
+def api_base(url: str, flag: str) -> str:
+    """`url` as the API's base (".../v1"), checked first: an http(s) URL with a host (a one-line error otherwise,
+    not httpx's InvalidURL / UnsupportedProtocol traceback mid-run)."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as e:
+        raise UserError(f"{flag} {url!r}: not a URL ({e})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise UserError(f"{flag} {url!r}: want an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000")
+    base = url.rstrip("/")
+    return base if base.endswith("/v1") else base + "/v1"
 
 
 async def discover_model(client, base: str) -> str:
@@ -201,14 +218,15 @@ def print_table(doc: dict) -> None:
 
 
 def bench_parser():
+    from archscale.cli_types import nonnegative_float, positive_float, positive_int
 
     p = _Parser(prog="archscale bench-serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--model", default=None, help="model id (default: the first of GET /v1/models)")
-    p.add_argument("--concurrency", type=int, default=1, help="clients sending requests back to back")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds during which new requests start")
-    p.add_argument("--max_tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--concurrency", type=positive_int, default=1, help="clients sending requests back to back")
+    p.add_argument("--duration", type=positive_float, default=30.0, help="seconds during which new requests start")
+    p.add_argument("--max_tokens", type=positive_int, default=128)
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0)
     p.add_argument("--prompts", default=None, help=".txt (one per line) or .jsonl with a 'prompt' field")
     p.add_argument("--no_ignore_eos", action="store_true",
                    help="do not send vLLM's `ignore_eos` (needed for servers that reject unknown fields)")
@@ -219,8 +237,7 @@ def bench_parser():
 
 def bench_cli(argv: list[str]) -> int:
     a = bench_parser().parse_args(argv)
-    if a.concurrency < 1 or a.max_tokens < 1 or a.duration <= 0:
-        raise UserError("--concurrency and --max_tokens must be at least 1, --duration positive")
+    api_base(a.url, "--url")  # before anything runs
     doc = asyncio.run(run_load(a.url, a.model, a.concurrency, a.duration, a.max_tokens, read_prompts(a.prompts),
                                temperature=a.temperature, ignore_eos=not a.no_ignore_eos,
                                progress=Progress(show=a.progress)))

@@ -5,6 +5,10 @@ Each loop iteration admits waiting sequences into free slots (prefilled alone, t
 as it finishes (EOS, a stop string, max_tokens, or its client went away), so requests join and leave at token
 boundaries. Sampling is per row (its own temperature / top-k / top-p / repetition penalty / seeded generator), with
 `archscale generate`'s sampler. Results go back through each sequence's `emit` callback (called on this thread).
+
+A request can only fail itself: rows are independent in the decode step's arithmetic, each row's logits are
+checked for non-finite values and each row is sampled under its own guard, so a row that goes NaN (or whose sampler
+fails) ends with `finish_reason: "error"` while the rows beside it carry on with exactly their tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from archscale.serve.batching import BatchState, decode_step, prefill
 
 
 class QueueFull(Exception):
-    """More sequences are waiting than the server accepts (HTTP 503)."""
+    """More sequences are waiting than the server accepts (HTTP 503; a request larger than the whole queue is
+    refused before it gets here, with a 400)."""
 
 
 @dataclasses.dataclass
@@ -184,8 +189,8 @@ class Engine:
             logits = decode_step(self.batch, tokens)
         self.steps += 1
         self.peak_rows = max(self.peak_rows, len(self.rows))
-        for seq, row in zip(self.rows, logits):
-            self._accept(seq, row)
+        for seq, row in zip(self.rows, logits):  # one row's failure ends that row only
+            self._guarded([seq], self._accept, seq, row)
 
     def _drop_finished(self) -> None:
         i = 0
@@ -206,6 +211,8 @@ class Engine:
         """Sample seq's next token from its logits (vocab,), update its text, emit what is final."""
         p = seq.params
         logits = logits.float()
+        if not bool(torch.isfinite(logits).all()):  # a NaN argmax is no token: the row's own state broke
+            raise FloatingPointError("the model's logits for this sequence are not finite")
         logprobs = torch.log_softmax(logits, dim=-1)  # reported under the model, before any sampling transform
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(seq.prompt_ids + seq.out_ids)), device=logits.device)

@@ -374,6 +374,11 @@ def check_resume_fits(step_dir: Path, cfg: PretrainConfig, plan: Plan, model_cfg
         raise UserError(f"--resume {step_dir}: the checkpoint's model differs from this run's: {', '.join(diff)}; "
                         "resume with the flags it was trained with (its config.yaml), or start a new run in "
                         "another --out_dir")
+    was_curriculum = (saved.get("pretrain") or {}).get("curriculum", "none")
+    if was_curriculum != cfg.curriculum:  # each step's sequence length (the data order) follows it: keep it
+        raise UserError(f"--resume {step_dir}: it was trained with --curriculum {was_curriculum}, this run asks for "
+                        f"--curriculum {cfg.curriculum}; the curriculum decides every step's sequence length, so a "
+                        "resumed run keeps it (resume with the same --curriculum, or start a new run)")
     old_batch = (saved.get("plan") or {}).get("batch_tokens", plan.batch_tokens)
     if old_batch != plan.batch_tokens:
         pre = saved.get("pretrain") or {}
@@ -557,12 +562,28 @@ class Trainer:
         if self.resume_from is not None:
             check_resume_fits(self.resume_from, cfg, self.plan, self.model_cfg, env.world_size)
         self.last_checkpoint = self.resume_from  # the newest finite checkpoint (every saved one is)
+        fresh = not (self.out_dir / "config.yaml").exists()  # a new run dir: a refused setup leaves nothing in it
         self.lock = take_run_lock(self.out_dir, env)
         try:
             self._setup()
         except BaseException:
+            if fresh and env.is_main:
+                self._forget_new_run_dir()
             self.close()
             raise
+
+    def _forget_new_run_dir(self) -> None:
+        """Setup refused a new run (a flag combination checked while building): remove what setup wrote, the
+        lock last (unlinked while still held, so no other process can lock the removed file's inode after us),
+        and the dir itself when that leaves it empty."""
+        for name in ("config.yaml", "deepspeed_config.json"):
+            (self.out_dir / name).unlink(missing_ok=True)
+        if self.lock is not None:
+            self.lock.path.unlink(missing_ok=True)
+        try:
+            self.out_dir.rmdir()
+        except OSError:  # not empty: it held something before this run, keep it
+            pass
 
     def _setup(self) -> None:
         cfg, env = self.cfg, self.env
