@@ -135,8 +135,8 @@ def test_parse_bytes_units_and_one_line_error():
 
 
 def _dry_run(*flags) -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, "-m", "archscale.cli", "pretrain", "--dry_run", "--vocab_size", "32000",
-                           *flags], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "archscale.cli", "pretrain", "--dry_run", "--json", "--vocab_size",
+                           "32000", *flags], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout[proc.stdout.index("{"):]), proc.stderr
 

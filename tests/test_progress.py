@@ -70,20 +70,21 @@ def test_export_and_quantize_name_their_stages(run_dir, tmp_path, capsys, monkey
 def test_reason_and_bench_serve_show_samples_done_and_time_left(tmp_path, capsys, monkeypatch):
     tok = tiny_tokenizer(tmp_path)
     model = tiny_model("transformer", tok.vocab_size)
-    reason = ["reason", "--task", "gsm8k", "--data", str(DATA / "gsm8k.jsonl"), "--samples", "2",
-              "--max_tokens", "2", "--output", str(tmp_path / "r.json")]
+    runs = iter(range(3))  # a fresh --output each time: a rerun on the same one resumes, sampling nothing
+    reason = lambda: ["reason", "--task", "gsm8k", "--data", str(DATA / "gsm8k.jsonl"), "--samples", "2",  # noqa: E731
+                      "--max_tokens", "2", "--output", str(tmp_path / f"r{next(runs)}.json")]
     bench = ["bench-serve", "--concurrency", "2", "--duration", "0.6", "--max_tokens", "2"]
     with running_server(model, tok, max_model_len=256) as (url, _):
-        assert main([*reason, "--endpoint", url]) == 0
+        assert main([*reason(), "--endpoint", url]) == 0
         assert main([*bench, "--url", url]) == 0
         err = capsys.readouterr().err.splitlines()
         assert "reason gsm8k: 8 samples ..." in err and "bench-serve tiny: 1 s ..." in err, err
-        assert main([*reason, "--endpoint", url, "--progress", "false"]) == 0
+        assert main([*reason(), "--endpoint", url, "--progress", "false"]) == 0
         assert main([*bench, "--url", url, "--progress", "false"]) == 0
         assert capsys.readouterr().err == ""
         tty = FakeTTY()
         monkeypatch.setattr(sys, "stderr", tty)
-        assert main([*reason, "--endpoint", url]) == 0
+        assert main([*reason(), "--endpoint", url]) == 0
         assert main([*bench, "--url", url]) == 0
     drawn = tty.getvalue()
     assert "8/8" in drawn.split("reason gsm8k")[-1] and "left" in drawn.split("bench-serve tiny")[-1]

@@ -143,7 +143,7 @@ def test_killed_process_resumes_exactly(dataset, tmp_path, how):
     (["--max_tokens", "100"], "--max_tokens 100 is less than one optimizer batch"),
     (["--vocab_size", "100"], "data vocab 256 > --vocab_size 100"),
     (["--ctx_len", "9000", "--base_hps.b0", "18000", "--max_tokens", "40000"], "use a smaller --ctx_len"),
-    (["--precision", "fp16"], "--precision must be fp32 or bf16-mixed"),
+    (["--precision", "fp8"], "--precision must be fp32 or bf16-mixed"),
     (["--parametrization", "mupp"], "--parametrization 'mupp' is unknown"),
     (["--resume", "/nonexistent/ckpt"], "not a usable checkpoint"),
 ])

@@ -439,7 +439,7 @@ def test_full_disk_in_prepare_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("archscale.data.format.ShardWriter._flush",
                         lambda self: full() if self._fill else None)
     assert main(["prepare", "--input", str(corpus), "--output_dir", str(tmp_path / "out"), "--tokenizer",
-                 str(tmp_path / "tok.json"), "--num_workers", "1"]) == 2
+                 str(tmp_path / "tok.json"), "--num_workers", "1", "--val_fraction", "0"]) == 2  # one document
     assert "No space left on device" in one_line_error(capsys)
 
 
@@ -464,7 +464,8 @@ def test_unwritable_outputs_fail_before_the_work(trained, tmp_path, capsys, monk
     cases = [
         ["tokenizer", "train", "--input", str(corpus), "--vocab_size", "300", "--out", str(bad / "tok.json")],
         ["eval", "--checkpoint", str(run), "--tasks", "ppl", "--output", str(bad / "r.json")],
-        ["prepare", "--input", str(corpus), "--output_dir", str(bad), "--tokenizer", str(tmp_path / "tok.json")],
+        ["prepare", "--input", str(corpus), "--output_dir", str(bad), "--tokenizer", str(tmp_path / "tok.json"),
+         "--val_fraction", "0"],  # one document: nothing to split
         args(data, bad, "--resume", "none"),
     ]
     for argv in cases:

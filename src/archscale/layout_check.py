@@ -173,10 +173,11 @@ def check_coordinates(spec: LayoutSpec, bound: float = 3.0) -> str:
 def tiny_config(spec: LayoutSpec, depth: int, ar: int = 16, vocab: int = VOCAB, window: int = 5) -> ModelConfig:
     """The spec at a tiny width (whatever sizes its preset fixes), windows short enough to matter at T ~ 20."""
     heads = depth
+    rotary = spec.preset.get("rotary_dim", 0) * ar // spec.preset.get("head_size", 128)  # the same fraction
     return ModelConfig.from_layout(
         spec, depth, ar=ar, vocab_size=vocab, block_size=64, n_head=heads, n_query_groups=max(1, heads // 4),
         head_size=ar, n_embd=ar * heads, intermediate_size=4 * ar * heads, padded_vocab_size=0,
-        sliding_window=window if spec.sliding_window else 0)
+        sliding_window=window if spec.sliding_window else 0, rotary_dim=rotary - rotary % 2)
 
 
 MODEL_CHECKS: dict[str, Callable] = {

@@ -66,9 +66,9 @@ class LivePeak(TorchDispatchMode):
             return
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse / subclass without a storage
-            return
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # sparse / subclass without a storage; a FakeTensor left
+            return  # behind by an earlier torch.compile (its storage has no data pointer)
         if ptr in self.ignore:
             return
         if id(t) in self._refs and self._refs[id(t)][1] != ptr:  # re-allocated in place: move it

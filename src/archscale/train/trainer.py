@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from archscale.config import ModelConfig, arch_preset, resolve_layout
+from archscale.config import LAYOUTS, ModelConfig, arch_preset, resolve_layout
 from archscale.layout import LayoutSpec, layer_label
 from archscale.data.loader import GlobalOrderLoader, load_mixture, read_manifest, validation_batches
 from archscale.data.synthetic import SyntheticLoader, synthetic_kind, synthetic_validation_batches
@@ -93,6 +93,9 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
         warn(f"warning: --train_name {cfg.train_name!r}: unrecognised token(s) {unknown} carry no setting")
     validate(cfg)
     manifest = read_manifest(cfg.train_data_dir)
+    if not cfg.layout and cfg.train_model not in LAYOUTS:
+        raise UserError(f"unknown --train_model {cfg.train_model!r}; choose one of: {', '.join(sorted(LAYOUTS))} "
+                        "(or pass a spec with --layout)")
     spec = resolve_layout(cfg.layout or cfg.train_model)  # --layout FILE_OR_STRING, else the named spec
     preset = arch_preset(spec)  # e.g. Phi4-mini-Flash's 200,064 tied vocabulary
     vocab = cfg.vocab_size or preset.get("vocab_size") or (manifest or {}).get("vocab_size") or default_vocab
