@@ -34,6 +34,22 @@ def tiny_model(arch: str, vocab_size: int, depth: int = 8, seed: int = 0, **kw) 
     return GPT(ModelConfig.from_arch(arch, depth, ar=8, **base)).eval()
 
 
+def essay_data(d: Path, vocab_size: int = 320) -> Path:
+    """Areopagitica's paragraphs as documents, a BPE tokenizer trained on them (d/tok.json) and their shards
+    (d/data, 20% validation)."""
+    import json
+
+    from archscale.data.prepare import prepare
+    from archscale.data.tokenizer import train_bpe
+
+    paras = [p for p in ESSAY.read_text().split("\n\n") if p.strip()]
+    (d / "c.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paras))
+    train_bpe([str(d / "c.jsonl")], vocab_size, str(d / "tok.json"))
+    prepare([str(d / "c.jsonl")], str(d / "data"), str(d / "tok.json"), val_fraction=0.2, chunk_size=8192,
+            progress=False, num_workers=1)
+    return d / "data"
+
+
 def make_run(d: Path) -> Path:
     """A 2-step transformer_d1 run (ctx 32) on Areopagitica whose data manifest records its own BPE tokenizer."""
     import json

@@ -15,7 +15,7 @@ import yaml
 from archscale.cli import main
 from archscale.errors import UserError
 from archscale.runs import load_run
-from serving_fixtures import ESSAY, running_server
+from serving_fixtures import essay_data, running_server
 
 SPEC = {"name": "mswa", "description": "test hybrid: Mamba, SWA-8, full attention, MoE on the last layer",
         "ar": 16, "layers": "mamba, swa(window=8), attn, attn:moe", "mixer_options": {"moe": {"n_experts": 4}}}
@@ -34,15 +34,8 @@ def pretrain_args(data, out, spec_file, *extra):
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    from archscale.data.prepare import prepare
-    from archscale.data.tokenizer import train_bpe
-
     d = tmp_path_factory.mktemp("hybrid")
-    paras = [p for p in ESSAY.read_text().split("\n\n") if p.strip()]
-    (d / "c.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in paras))
-    train_bpe([str(d / "c.jsonl")], 320, str(d / "tok.json"))
-    prepare([str(d / "c.jsonl")], str(d / "data"), str(d / "tok.json"), val_fraction=0.2, chunk_size=8192,
-            progress=False, num_workers=1)
+    essay_data(d)
     (d / "mswa.yaml").write_text(yaml.safe_dump(SPEC))
     assert main(pretrain_args(d / "data", d / "run", d / "mswa.yaml", "--resume", "none")) == 0
     return d
