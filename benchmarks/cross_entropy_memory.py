@@ -1,5 +1,5 @@
 """Peak CPU memory of the LM loss, forward + backward: plain (logits -> F.cross_entropy) vs chunked linear
-cross-entropy (`archscale.ops.cross_entropy`), fp32, at Phi4-mini-Flash's head: vocab 200,064 (padded to 200,064),
+cross-entropy (`archscale.kernels.cross_entropy`), fp32, at Phi4-mini-Flash's head: vocab 200,064 (padded to 200,064),
 width 2560.
 
 Each (path, tokens) runs in a fresh subprocess that reports its peak resident set size (getrusage ru_maxrss), the
@@ -34,7 +34,7 @@ def child(path: str, tokens: int, vocab: int, width: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from archscale.ops.cross_entropy import chunked_linear_cross_entropy
+    from archscale.kernels.cross_entropy import chunked_linear_cross_entropy
 
     torch.manual_seed(0)
     w = (torch.randn(vocab, width) * 0.02).requires_grad_()

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from archscale import GPT, ModelConfig
-from archscale.models import attention_ops
-from archscale.models.attention_ops import attend
+from archscale.kernels import attention as attention_kernel
+from archscale.kernels.attention import attend
 from archscale.models.mixers.diff_attention import DifferentialAttention, lambda_init_for
 from archscale.models.mixers.gmu import GMU
 
@@ -126,7 +126,7 @@ def test_cross_attention_uses_the_kv_layers_keys():
 
 def test_per_document_path_equals_dense_document_mask(monkeypatch):
     """Long-context varlen runs document by document; it must equal the dense block-diagonal mask (values, grads)."""
-    import archscale.models.attention_ops as ops
+    import archscale.kernels.attention as ops
     torch.manual_seed(6)
     T = 40
     docs = torch.tensor([[0] * 7 + [1] * 20 + [2] * 13, [0] * 40])
@@ -161,7 +161,7 @@ def test_ngmu_matches_formula():
 @pytest.mark.cuda
 def test_flash_attn_matches_sdpa():
     """flash-attn (when installed) equals the SDPA path for causal, windowed and GQA attention in bf16."""
-    if attention_ops.flash_attn_func is None:
+    if attention_kernel.flash_attn_func is None:
         pytest.skip("flash-attn is not installed")
     torch.manual_seed(0)
     q = torch.randn(2, 8, 300, 64, device="cuda", dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from archscale import GPT, ModelConfig
 from archscale.errors import UserError
-from archscale.ops.cross_entropy import chunked_linear_cross_entropy, default_chunk_rows, select_loss
+from archscale.kernels.cross_entropy import chunked_linear_cross_entropy, default_chunk_rows, select_loss
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,7 +113,7 @@ def test_training_with_chunked_loss_follows_the_plain_run(dataset, tmp_path, mon
     import csv
 
     from archscale.cli import main
-    from archscale.ops import cross_entropy
+    from archscale.kernels import cross_entropy
 
     calls = []
     real = cross_entropy.chunked_linear_cross_entropy

@@ -8,11 +8,11 @@ Reference: an explicit softmax per query over the keys the rule allows. Toleranc
 import pytest
 import torch
 
-from archscale.models import attention_ops
-from archscale.models.attention_ops import attend, flash_varlen_attend, flex_attend
+from archscale.kernels import attention as attention_kernel
+from archscale.kernels.attention import attend, flash_varlen_attend, flex_attend
 from archscale.models.mixers.diff_attention import DifferentialAttention
-from archscale.ops import attention_masks
-from archscale.ops.attention_masks import cu_seqlens_for
+from archscale.kernels import attention_masks
+from archscale.kernels.attention_masks import cu_seqlens_for
 
 pytestmark = [pytest.mark.skipif(attention_masks.flex_attention is None, reason="FlexAttention needs torch >= 2.5"),
               pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
@@ -129,7 +129,7 @@ def flash_varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, cau
 
 @pytest.mark.parametrize("window,dv", [(0, 8), (4, 8), (0, 16)])
 def test_flash_varlen_packing(monkeypatch, window, dv):
-    monkeypatch.setattr(attention_ops, "flash_attn_varlen_func", flash_varlen_reference)
+    monkeypatch.setattr(attention_kernel, "flash_attn_varlen_func", flash_varlen_reference)
     attention_masks.clear_cache()
     torch.manual_seed(3)
     B, H, G, T = 2, 4, 2, 19

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from archscale import GPT, ModelConfig
-from archscale.models import attention_ops
-from archscale.models.attention_ops import attend
-from archscale.ops.cross_entropy import chunked_linear_cross_entropy
+from archscale.kernels import attention as attention_kernel
+from archscale.kernels.attention import attend
+from archscale.kernels.cross_entropy import chunked_linear_cross_entropy
 
 CASES = {  # name: (H, G, window, document lengths per row or None)
     "docs": (4, 4, 0, [[100, 200, 73], [373]]),
@@ -72,8 +72,8 @@ def test_cuda_long_document_mask_builds_no_dense_mask():
     def refuse(*a, **kw):
         raise AssertionError("dense / per-document path used on CUDA")
 
-    saved = attention_ops.attention_mask, attention_ops._per_document
-    attention_ops.attention_mask = attention_ops._per_document = refuse
+    saved = attention_kernel.attention_mask, attention_kernel._per_document
+    attention_kernel.attention_mask = attention_kernel._per_document = refuse
     try:
         T = 8192
         q, k, v = (torch.randn(1, 4, T, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -83,7 +83,7 @@ def test_cuda_long_document_mask_builds_no_dense_mask():
             attend(q, k, v, scale=0.125, window=window, q_docs=docs, k_docs=docs).sum().backward()
         attend(q, k, v, scale=0.125, window=512).sum().backward()
     finally:
-        attention_ops.attention_mask, attention_ops._per_document = saved
+        attention_kernel.attention_mask, attention_kernel._per_document = saved
 
 
 @pytest.mark.cuda

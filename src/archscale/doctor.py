@@ -64,7 +64,7 @@ def kernels() -> list[Finding]:
                                    k.install or "see docs/GPU.md"))
         if not spec.kernels:
             out.append(Finding("ok", f"{spec.name}: pure PyTorch (no optional kernel)"))
-    from archscale.ops import cross_entropy
+    from archscale.kernels import cross_entropy
 
     liger = cross_entropy.liger_fused_linear_cross_entropy is not None
     out.append(Finding("ok" if liger else "warn", "chunked loss: " + ("Liger-Kernel's fused kernel on CUDA" if liger

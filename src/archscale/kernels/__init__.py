@@ -1,4 +1,5 @@
-"""Numerical kernels, each with a pure-PyTorch reference, a fast PyTorch path and optional CUDA dispatch.
+"""Numerical kernels (the low-level layer: they import nothing of archscale but each other and `errors`), each
+with a pure-PyTorch reference, faster PyTorch or C++ paths and optional CUDA kernels, chosen by `dispatch.py`.
 
 Import from the submodules (``from archscale.kernels.selective_scan import selective_scan``); the package does
 not re-export, so that a function never shadows the module of the same name.

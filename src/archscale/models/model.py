@@ -47,7 +47,7 @@ class GPT(nn.Module):
                 return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, T, vocab) for idx (B, T); (B, 1, vocab) for the last position when `last_only`.
         With `return_hidden`, (final hidden state x logit_scale (B, T, n_embd), lm_head.weight) instead, for a
-        loss that applies the head chunk by chunk (`ops/cross_entropy.py`; padded weight rows are its to drop).
+        loss that applies the head chunk by chunk (`kernels/cross_entropy.py`; padded weight rows are its to drop).
 
         With `cache`, idx continues the cached sequence (positions cache.pos..) and the cache is updated; a
         cross-decoder then sees only the last position when `last_only` (its layers keep no state of their own,

@@ -101,7 +101,7 @@ class RunShape:
 
 def shape_of(cfg, world_size: int, device: str = "cuda") -> RunShape:
     """The RunShape of a PretrainConfig (strategy 'auto' resolved as the trainer does)."""
-    from archscale.ops.cross_entropy import select_loss
+    from archscale.kernels.cross_entropy import select_loss
 
     strategy = cfg.strategy
     if strategy == "auto":
@@ -220,7 +220,7 @@ def loss_buffers(model_cfg: ModelConfig, shape: RunShape) -> float:
     """Bytes of the loss at its peak (backward through the head)."""
     tokens, V, d = shape.micro_bsz * shape.ctx_len, model_cfg.padded_vocab_size, model_cfg.n_embd
     if shape.loss == "chunked":
-        from archscale.ops.cross_entropy import default_chunk_rows
+        from archscale.kernels.cross_entropy import default_chunk_rows
 
         rows = min(tokens, default_chunk_rows(tokens, model_cfg.vocab_size, d))
         # fp32 hidden copy and its gradient, one chunk's fp32 logits, the fp32 head gradient and weight copy

@@ -40,7 +40,7 @@ from archscale.train.deepspeed_engine import to_universal
 from archscale.train.distributed import DistEnv
 from archscale.train.distributed import setup as setup_distributed
 from archscale.models.varlen import document_ids, document_positions
-from archscale.ops.cross_entropy import select_loss
+from archscale.kernels.cross_entropy import select_loss
 from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
 from archscale.train.metrics import Progress, peak_flops
 from archscale.train.optim import param_groups, set_lr

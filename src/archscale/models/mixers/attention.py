@@ -7,7 +7,7 @@ cross-decoder). "kv_mem" is the KV layer that also exports its attention output 
 GMU memory (ArchScale's SambaY-A variants). RoPE rotates q and k in fp32 unless the architecture is NoPE.
 Phi4-mini-Flash (`attn_bias`) has biases on the fused q/k/v projection and the output projection, as ArchScale's
 `CausalSelfAttention`. With `use_da`, the softmax is replaced by differential attention (`diff_attention.py`).
-The kernel choice lives in `attention_ops.attend`.
+The kernel choice lives in `archscale.kernels.attention.attend`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from archscale.config import ModelConfig
-from archscale.models.attention_ops import attend, flash_attn_func
+from archscale.kernels.attention import attend, flash_attn_func
 from archscale.models.cache import KVCache, WindowKVCache
 from archscale.models.mixers.base import (BIAS, MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, LayerOption,
                                          MixerSpec, SaveEnv, register)
@@ -190,7 +190,7 @@ SPEC = register(MixerSpec(
     memory_width=lambda config, kind: config.n_head * config.head_size if kind == "kv_mem" else 0,
     saved=attention_saved,
     kernels=(KernelRef("flash_attn_func", lambda: flash_attn_func is not None and torch.cuda.is_available(),
-                       "archscale.models.attention_ops.attention_mask + SDPA",
+                       "archscale.kernels.attention.attention_mask + SDPA",
                        "tests/test_attention.py::test_flash_attn_matches_sdpa",
                        "on a CUDA machine: pip install flash-attn --no-build-isolation (extra `cuda`)"),),
     layer_options=LAYER_OPTIONS,

@@ -10,7 +10,7 @@ On CUDA (no per-document Python loop, no dense T x T mask):
   else SDPA's causal fast path when queries and keys cover the same positions and no window cuts in; else
   (sliding windows, chunked prefill) FlexAttention with a causal/window block mask;
 - one query (decoding): SDPA, with a (1, Tk) mask when a window cuts in.
-FlexAttention runs compiled, its block masks built once per batch layout (`ops/attention_masks.py`).
+FlexAttention runs compiled, its block masks built once per batch layout (`kernels/attention_masks.py`).
 
 On CPU (FlexAttention has no CPU backward):
 - SDPA with `is_causal` when queries and keys cover the same positions and no window cuts in (training);
@@ -32,7 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from archscale.ops.attention_masks import block_mask_for, cu_seqlens_for, flex_attention, flex_kernel
+from archscale.kernels.attention_masks import block_mask_for, cu_seqlens_for, flex_attention, flex_kernel
 
 try:  # optional CUDA kernels
     from flash_attn import flash_attn_func, flash_attn_varlen_func  # type: ignore

@@ -1,7 +1,7 @@
 """Attention masks for the CUDA kernels, built once per batch layout: FlexAttention block masks and flash-attn's
 cu_seqlens, both derived from document ids (variable-length training) and the causal / sliding-window rule.
 
-The rule is `attention_ops.attention_mask`'s: query at absolute position p sees key at position k iff k <= p,
+The rule is `attention.attention_mask`'s: query at absolute position p sees key at position k iff k <= p,
 p - k < W with a window W, and (with document ids) both belong to the same document. A FlexAttention block mask
 stores only which 128 x 128 tiles are empty, full or partial (O((T/128)^2) bytes, never a dense T x T mask), and
 lets the kernel skip the empty tiles: work scales with the tokens a document or a window really attends to.
