@@ -20,19 +20,18 @@ On CPU (FlexAttention has no CPU backward):
   (document-masked) training, where the mask is also block-diagonal over documents; past
   `DENSE_DOC_MASK_MAX` positions, one causal call per document instead (no T x T mask at long context).
 
-`ARCHSCALE_ATTN_IMPL=flash|flex|sdpa` forces a path: flash falls back where it cannot run; flex runs the
-FlexAttention path on any device (forward only on CPU: the tests' parity checks); sdpa keeps CUDA on the CPU
-paths above (the reference to compare kernels against).
+`ARCHSCALE_ATTN_IMPL=flash|flex|sdpa` forces a path (`ATTENTION`, a `dispatch.Dispatch`): flash falls back where
+it cannot run; flex runs the FlexAttention path on any device (forward only on CPU: the tests' parity checks); sdpa
+keeps CUDA on the CPU paths above (the reference to compare kernels against). Any other value is a one-line error.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
 from archscale.kernels.attention_masks import block_mask_for, cu_seqlens_for, flex_attention, flex_kernel
+from archscale.kernels.dispatch import Dispatch, Impl
 
 try:  # optional CUDA kernels
     from flash_attn import flash_attn_func, flash_attn_varlen_func  # type: ignore
@@ -126,28 +125,43 @@ def flash_varlen_attend(q, k, v, scale, docs, window=0):
     return out.view(B, T, H, v.shape[-1]).transpose(1, 2)
 
 
-def _cuda_path(q, k, v, scale, q_pos0, k_pos0, window, q_docs, k_docs, impl):
-    """The CUDA choice (module docstring), or None to fall through to the SDPA paths."""
-    Tq, Tk = q.shape[2], k.shape[2]
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    flash_ok = impl in ("auto", "flash") and q.is_cuda and half
-    if q_docs is not None:
-        if flash_ok and flash_attn_varlen_func is not None and Tq == Tk and q_docs is k_docs:
-            return flash_varlen_attend(q, k, v, scale, q_docs, window)
-    elif flash_ok and flash_attn_func is not None:
-        if v.shape[-1] != q.shape[-1]:  # flash-attn wants equal head dims: split wide values
-            return torch.cat([attend(q, k, vi, scale=scale, q_pos0=q_pos0, k_pos0=k_pos0, window=window)
-                              for vi in v.split(q.shape[-1], dim=-1)], dim=-1)
-        # flash-attn aligns causal masks bottom-right, which is our position convention
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                              causal=True, window_size=(window - 1, 0) if window else (-1, -1))
-        return out.transpose(1, 2)
-    no_cut = not window or window >= Tk
-    if q_docs is None and (Tq == 1 or (Tq == Tk and no_cut)):
-        return None  # SDPA's causal (or unmasked single-query) kernels need no mask
-    if flex_attention is not None and Tq > 1 and (impl == "flex" or (impl == "auto" and q.is_cuda)):
-        return flex_attend(q, k, v, scale, q_pos0, k_pos0, window, q_docs, k_docs)
-    return None
+def _flash_unavailable(x, k, q_docs=None, k_docs=None, **_) -> str:
+    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
+        return "needs CUDA tensors in half precision"
+    if (flash_attn_func if q_docs is None else flash_attn_varlen_func) is None:
+        return "needs the flash-attn package"
+    if q_docs is not None and (x.shape[2] != k.shape[2] or q_docs is not k_docs):
+        return "takes documents only in training shapes (queries = keys, one docs tensor)"
+    return ""
+
+
+def _flex_unavailable(x, k, window=0, q_docs=None, **_) -> str:
+    if flex_attention is None:
+        return "needs FlexAttention (torch >= 2.5)"
+    Tq, Tk = x.shape[2], k.shape[2]
+    if Tq == 1 or (q_docs is None and Tq == Tk and (not window or window >= Tk)):
+        return "is not needed: no mask cuts in, SDPA's kernels take the call"
+    return ""
+
+
+# `ARCHSCALE_ATTN_IMPL` is a preference: a path that cannot take a call falls back to SDPA (strict=False)
+ATTENTION = Dispatch("attention", (
+    Impl("flash", _flash_unavailable),
+    Impl("flex", _flex_unavailable, in_auto=lambda x, **_: x.is_cuda),  # no CPU backward: named only there
+    Impl("sdpa"),
+), env_var="ARCHSCALE_ATTN_IMPL", strict=False)
+
+
+def _flash_attend(q, k, v, scale, q_pos0, k_pos0, window, docs):
+    if docs is not None:
+        return flash_varlen_attend(q, k, v, scale, docs, window)
+    if v.shape[-1] != q.shape[-1]:  # flash-attn wants equal head dims: split wide values
+        return torch.cat([attend(q, k, vi, scale=scale, q_pos0=q_pos0, k_pos0=k_pos0, window=window)
+                          for vi in v.split(q.shape[-1], dim=-1)], dim=-1)
+    # flash-attn aligns causal masks bottom-right, which is our position convention
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                          causal=True, window_size=(window - 1, 0) if window else (-1, -1))
+    return out.transpose(1, 2)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q_pos0: int = 0, k_pos0: int = 0,
@@ -163,11 +177,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, q
     Tq, Tk = q.shape[2], k.shape[2]
     if q_pos0 + Tq != k_pos0 + Tk:
         raise ValueError(f"keys must end where queries end (q {q_pos0}+{Tq}, k {k_pos0}+{Tk})")
-    impl = os.environ.get("ARCHSCALE_ATTN_IMPL", "auto")
-    if impl != "sdpa" and (q.is_cuda or impl == "flex"):
-        out = _cuda_path(q, k, v, scale, q_pos0, k_pos0, window, q_docs, k_docs, impl)
-        if out is not None:
-            return out
+    impl = ATTENTION.resolve(x=q, k=k, window=window, q_docs=q_docs, k_docs=k_docs)
+    if impl == "flash":
+        return _flash_attend(q, k, v, scale, q_pos0, k_pos0, window, q_docs)
+    if impl == "flex":
+        return flex_attend(q, k, v, scale, q_pos0, k_pos0, window, q_docs, k_docs)
     if q_docs is not None:
         if Tq == Tk and Tq > DENSE_DOC_MASK_MAX:
             return _per_document(q, k, v, scale, q_docs, window)

@@ -12,7 +12,7 @@ chunk's logits (fp32, only the first `vocab_size` rows of the weight: padded row
 `logits[..., :vocab_size]`) give that chunk's loss and, at once, its logit gradient, which is folded into the
 hidden-state and weight gradients and dropped (Liger-Kernel's scheme). Backward only scales the stored gradients
 by the incoming gradient. Label smoothing and ignore_index follow `torch.nn.functional.cross_entropy`.
-On CUDA, Liger-Kernel's fused Triton kernel runs instead when `liger_kernel` is installed.
+On CUDA, Liger-Kernel's fused Triton kernel runs instead when `liger_kernel` is installed (`LINEAR_CROSS_ENTROPY`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from archscale.errors import UserError
+from archscale.kernels.dispatch import Dispatch, Impl, cuda_impl
 
 LOSS_CHOICES = ("auto", "plain", "chunked")
 CHUNKED_VOCAB_THRESHOLD = 100_000  # ArchScale switches to its fused linear cross-entropy above this vocab
@@ -32,6 +33,12 @@ try:  # optional CUDA kernel
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # type: ignore
 except Exception:  # pragma: no cover - not installed on CPU machines
     liger_fused_linear_cross_entropy = None
+
+
+LINEAR_CROSS_ENTROPY = Dispatch("chunked loss", (
+    cuda_impl("liger", lambda: liger_fused_linear_cross_entropy, "liger-kernel"),
+    Impl("chunked"),
+))
 
 
 def default_chunk_rows(n_rows: int, vocab_size: int, width: int) -> int:
@@ -122,7 +129,7 @@ class LossFn:
                                    label_smoothing=label_smoothing, ignore_index=ignore_index)
         hidden, weight = model_out
         hidden, targets = hidden.flatten(0, 1), targets.flatten()
-        if liger_fused_linear_cross_entropy is not None and hidden.is_cuda:
+        if LINEAR_CROSS_ENTROPY.resolve(x=hidden) == "liger":
             return liger_fused_linear_cross_entropy(hidden, weight[:self.vocab_size], targets,
                                                     ignore_index=ignore_index, label_smoothing=label_smoothing)
         return chunked_linear_cross_entropy(hidden, weight, targets, self.vocab_size, label_smoothing, ignore_index)

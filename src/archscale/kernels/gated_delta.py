@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-IMPLS = ("auto", "ref", "chunked", "fla")
+from archscale.kernels.dispatch import Dispatch, Impl, cuda_impl
+
 CHUNK = 64  # chunked path: steps per chunk (fla's and transformers' choice; see benchmarks/gdn_throughput.py)
 
 _FLA: dict[str, object] = {}
@@ -65,17 +66,17 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _resolve_impl(impl: str, q: Tensor, initial_state: Tensor | None, reset: Tensor | None) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"gated_delta_rule: unknown impl {impl!r}; choose one of {', '.join(IMPLS)}")
-    if impl == "auto":
-        impl = "fla" if q.is_cuda and fla_available() else "chunked"
-    if impl == "fla":
-        if not q.is_cuda or _fla("chunk_gated_delta_rule") is None:
-            raise ValueError("gated_delta_rule: impl='fla' needs flash-linear-attention and CUDA tensors")
-        if reset is not None and initial_state is not None:
-            impl = "chunked"  # fla's varlen form takes one initial state per document, not per row
-    return impl
+def _has_state_and_resets(initial_state: Tensor | None = None, reset: Tensor | None = None, **_) -> bool:
+    return reset is not None and initial_state is not None  # fla's varlen form: one initial state per document
+
+
+GATED_DELTA = Dispatch("gated_delta_rule", (
+    cuda_impl("fla", lambda: _fla("chunk_gated_delta_rule"), "flash-linear-attention",
+              steps_aside=_has_state_and_resets, instead="chunked"),
+    Impl("chunked"),
+    Impl("ref"),
+))
+IMPLS = GATED_DELTA.choices
 
 
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
@@ -85,7 +86,7 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
     """q, k (b, t, h, K); v (b, t, h, V); g, beta (b, t, h); initial_state (b, h, K, V) or None;
     reset (b, t) bool or None. Returns (o (b, t, h, V) in v's dtype, final state (b, h, K, V) fp32 or None)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    impl = _resolve_impl(impl, q, initial_state, reset)
+    impl = GATED_DELTA.resolve(impl, x=q, initial_state=initial_state, reset=reset)
     if impl == "fla":
         return _fla_forward(q, k, v, g, beta, scale, initial_state, output_final_state, reset, use_qk_l2norm)
     with torch.autocast(device_type=q.device.type, enabled=False):

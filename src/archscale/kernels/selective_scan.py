@@ -40,15 +40,14 @@ other than ``"auto"`` is never overridden, so tests stay deterministic.
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from archscale.kernels import scan_cpu as cpu_kernel
+from archscale.kernels.dispatch import Dispatch, Impl, cuda_impl
 
-SCAN_IMPLS = ("auto", "ref", "chunked", "cpu", "cuda")
 ENV_VAR = "ARCHSCALE_SCAN_IMPL"
 CHUNK = 8     # chunked path: steps per chunk (level-1 scan length; tuned in docs/BENCHMARKS.md)
 BLOCK = 64    # chunked path: steps whose (steps, b, d, n) workspace is materialised at once
@@ -77,40 +76,34 @@ def cuda_scan_available() -> bool:
     return torch.cuda.is_available() and _mamba_ssm("selective_scan_fn") is not None
 
 
-def _resolve_impl(impl: str, u: Tensor, initial_state: Tensor | None, reset: Tensor | None = None,
-                  d_state: int = 0) -> str:
-    if impl not in SCAN_IMPLS:
-        raise ValueError(f"selective_scan: unknown impl {impl!r}; choose one of {', '.join(SCAN_IMPLS)}")
-    if impl == "auto":
-        forced = os.environ.get(ENV_VAR, "").strip()
-        if forced:
-            if forced not in SCAN_IMPLS:
-                raise ValueError(f"{ENV_VAR}={forced!r} is not a scan implementation; "
-                                 f"choose one of {', '.join(SCAN_IMPLS)}")
-            impl = forced
-    if impl == "auto":
-        if u.is_cuda:
-            impl = "cuda" if cuda_scan_available() else "chunked"
-        else:
-            impl = "cpu" if d_state <= cpu_kernel.MAX_STATE and cpu_kernel.available() else "chunked"
-    if impl == "cpu" and d_state > cpu_kernel.MAX_STATE:
-        raise ValueError(f"selective_scan: impl='cpu' takes d_state up to {cpu_kernel.MAX_STATE} (got {d_state})")
-    if impl == "cpu" and (u.is_cuda or not cpu_kernel.available()):
-        raise ValueError(f"selective_scan: impl='cpu' needs CPU tensors and the compiled CPU kernel "
-                         f"({cpu_kernel.unavailable_reason() or 'tensors are on CUDA'})")
-    if impl == "cuda":
-        if not u.is_cuda or _mamba_ssm("selective_scan_fn") is None:
-            raise ValueError("selective_scan: impl='cuda' needs the mamba-ssm package and CUDA tensors "
-                             "(use impl='chunked' or 'auto')")
-        if initial_state is not None or reset is not None:
-            impl = "chunked"  # mamba-ssm's kernel cannot start from a given state nor reset at documents
-    return impl
+def _cpu_kernel_unavailable(x: Tensor, d_state: int = 0, **_) -> str:
+    if d_state > cpu_kernel.MAX_STATE:
+        return f"takes d_state up to {cpu_kernel.MAX_STATE} (got {d_state})"  # its stack buffers' size
+    if x.is_cuda:
+        return "needs CPU tensors"
+    if not cpu_kernel.available():
+        return f"needs the compiled CPU kernel ({cpu_kernel.unavailable_reason()})"
+    return ""
+
+
+def _has_state_or_resets(initial_state: Tensor | None = None, reset: Tensor | None = None, **_) -> bool:
+    return initial_state is not None or reset is not None  # mamba-ssm's kernel takes neither
+
+
+SCAN = Dispatch("selective_scan", (
+    cuda_impl("cuda", lambda: _mamba_ssm("selective_scan_fn"), "mamba-ssm", steps_aside=_has_state_or_resets,
+              instead="chunked"),
+    Impl("cpu", _cpu_kernel_unavailable),
+    Impl("chunked"),
+    Impl("ref"),
+), env_var=ENV_VAR)
+SCAN_IMPLS = SCAN.choices
 
 
 def runs_cpu_kernel(impl: str, u: Tensor, d_state: int) -> bool:
     """Whether a scan of `u` with this `impl` (after the environment override) runs the C++ CPU kernel, with no
     initial state or resets: where the Mamba layer also takes the kernel's fused conv + silu."""
-    return _resolve_impl(impl, u, None, None, d_state) == "cpu"
+    return SCAN.resolve(impl, x=u, d_state=d_state) == "cpu"
 
 
 def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None,
@@ -123,7 +116,7 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D:
     training): the state is zeroed before that token, so nothing flows across documents. Exact in every path
     (the decays into a reset step are set to 0, not approximated); mamba-ssm's kernel has no such input, so a
     call with `reset` runs the chunked path, on CUDA too."""
-    impl = _resolve_impl(impl, u, initial_state, reset, A.shape[-1])
+    impl = SCAN.resolve(impl, x=u, d_state=A.shape[-1], initial_state=initial_state, reset=reset)
     if impl == "cuda":
         fn = _mamba_ssm("selective_scan_fn")
         out = fn(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,

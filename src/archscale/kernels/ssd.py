@@ -37,13 +37,13 @@ Implementations (``impl=``):
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from archscale.kernels.selective_scan import ENV_VAR, SCAN_IMPLS, _mamba_ssm
+from archscale.kernels.dispatch import Dispatch, Impl, cuda_impl
+from archscale.kernels.selective_scan import ENV_VAR, _mamba_ssm
 
 # The chunked path's longest chunk. Its work per token is ~Q h elementwise on the (Q, Q) decays plus
 # ~d_inner n / Q on the per-chunk states; on CPU the two balance near Q = sqrt(p n) (~90 at Mamba-2's sizes): one
@@ -58,22 +58,12 @@ def cuda_ssd_available() -> bool:
     return torch.cuda.is_available() and _mamba_ssm("mamba_chunk_scan_combined") is not None
 
 
-def _resolve_impl(impl: str, x: Tensor) -> str:
-    if impl not in SCAN_IMPLS:
-        raise ValueError(f"ssd_scan: unknown impl {impl!r}; choose one of {', '.join(SCAN_IMPLS)}")
-    if impl == "auto":
-        forced = os.environ.get(ENV_VAR, "").strip()
-        if forced:
-            if forced not in SCAN_IMPLS:
-                raise ValueError(f"{ENV_VAR}={forced!r} is not a scan implementation; "
-                                 f"choose one of {', '.join(SCAN_IMPLS)}")
-            impl = forced
-    if impl == "auto":
-        impl = "cuda" if x.is_cuda and cuda_ssd_available() else "chunked"
-    if impl == "cuda" and (not x.is_cuda or _mamba_ssm("mamba_chunk_scan_combined") is None):
-        raise ValueError("ssd_scan: impl='cuda' needs the mamba-ssm package and CUDA tensors "
-                         "(use impl='chunked' or 'auto')")
-    return impl
+# ARCHSCALE_SCAN_IMPL is shared with Mamba-1's scan: its "cpu" (the C++ scan) runs the chunked path here
+SSD = Dispatch("ssd_scan", (
+    cuda_impl("cuda", lambda: _mamba_ssm("mamba_chunk_scan_combined"), "mamba-ssm"),
+    Impl("chunked"),
+    Impl("ref"),
+), env_var=ENV_VAR, aliases={"cpu": "chunked"})
 
 
 def document_starts(seq_idx: Tensor) -> Tensor:
@@ -99,7 +89,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size:
     (h, p); dt_bias (h,); seq_idx (b, L) integer document labels; initial_state (b, h, p, n).
 
     Returns y (b, L, h, p) in x's dtype, or (y, final_state) with the final state (b, h, p, n) in fp32."""
-    impl = _resolve_impl(impl, x)
+    impl = SSD.resolve(impl, x=x)
     if impl == "cuda":
         fn = _mamba_ssm("mamba_chunk_scan_combined")
         out = fn(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
