@@ -1,4 +1,4 @@
-"""No import cycles among archscale's modules.
+"""No import cycles among archscale's modules, and no import from a low layer up (`LAYERS`).
 
 An edge a -> b is any `import` of b in a: at module level AND inside functions (a lazy import is still a
 dependency; the cycles this test was written against, data.tokenizer <-> data.prepare and studies.plans ->
@@ -18,6 +18,16 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Cycles still to be broken, each as the set of modules in it. Empty this when they are gone; the test then
 # fails for any cycle at all. (config <-> models: the mixer registry removes it.)
 KNOWN_CYCLES: list[set[str]] = []
+
+
+# The low layers and what each may import of archscale besides itself: the kernels are the bottom (maths only;
+# `errors` for their one-line refusals), the models sit on the kernels and the config. Nothing in a layer reaches
+# up (a kernel importing a model, a model importing the trainer); the layers above are not listed.
+LAYERS: dict[str, set[str]] = {
+    "archscale.errors": set(),
+    "archscale.kernels": {"archscale.errors"},
+    "archscale.models": {"archscale.errors", "archscale.kernels", "archscale.config"},
+}
 
 
 def module_files(root: Path) -> dict[str, Path]:
@@ -105,6 +115,34 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
                 if len(comp) > 1:
                     out.append(comp)
     return out
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def layer_violations(graph: dict[str, set[str]], layers: dict[str, set[str]]) -> list[str]:
+    """Every edge from a module of a listed layer to an archscale module outside that layer and its allowed set."""
+    out = []
+    for module, targets in sorted(graph.items()):
+        for layer, allowed in layers.items():
+            if _within(module, layer):
+                out += [f"{module} -> {t}" for t in sorted(targets)
+                        if t.startswith("archscale") and not any(_within(t, p) for p in allowed | {layer})]
+    return out
+
+
+def test_low_layers_import_nothing_above_them():
+    assert layer_violations(import_graph(SRC), LAYERS) == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    """Negative control: a kernel's lazy import of a model module, and a model's of the trainer, are found."""
+    graph = {"archscale.kernels.k": {"archscale.errors", "archscale.kernels.dispatch", "archscale.models.block"},
+             "archscale.models.m": {"archscale.kernels.k", "archscale.train.trainer"},
+             "archscale.train.t": {"archscale.models.m"}}
+    assert layer_violations(graph, LAYERS) == ["archscale.kernels.k -> archscale.models.block",
+                                               "archscale.models.m -> archscale.train.trainer"]
 
 
 def test_no_import_cycles_in_src():
