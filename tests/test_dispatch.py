@@ -2,6 +2,7 @@
 one-line error for an unavailable one, and every kernel choosing through it."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,11 @@ def test_every_kernel_chooses_through_the_one_dispatch():
         assert "_resolve_impl" not in names, path.name
     for mod in (selective_scan, ssd, gated_delta, attention, cross_entropy):
         assert any(isinstance(v, Dispatch) for v in vars(mod).values()), mod.__name__
+
+
+def test_adding_a_mixer_shows_the_dispatch_as_gated_delta_declares_it():
+    doc = (KERNELS_DIR.parents[2] / "docs" / "ADDING_A_MIXER.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if "Dispatch(" in b)
+    source = (KERNELS_DIR / "gated_delta.py").read_text()
+    lines = [line.strip() for line in block.splitlines() if line.strip()]
+    assert len(lines) >= 6 and all(line in source for line in lines), [l for l in lines if l not in source]
