@@ -51,9 +51,9 @@ def requested_tasks(spec: str) -> dict[str, list[str]]:
         elif in_items:
             out[in_items].append(item)
         else:
-            plain = [n for n, t in tasks.items() if not t.items]
-            forms = [f"{n}:{t.items}" for n, t in tasks.items() if t.items]
-            raise UserError(f"--tasks: unknown task {item!r}; choose from {', '.join(plain)} or {' or '.join(forms)}")
+            choices = ", ".join(n for n, t in tasks.items() if not t.items)
+            choices = " or ".join([choices, *(f"{n}:{t.items}" for n, t in tasks.items() if t.items)])
+            raise UserError(f"--tasks: unknown task {item!r}; choose from {choices}")
     if not out:
         raise UserError("--tasks is empty")
     return {name: list(dict.fromkeys(items)) for name, items in out.items()}
