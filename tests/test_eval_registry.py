@@ -13,6 +13,7 @@ import pytest
 
 from archscale.cli import main
 from archscale.eval.tasks import ENV, all_tasks, by_name
+from serving_fixtures import make_run
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "archscale"
 DOC = SRC.parents[1] / "docs" / "EVALUATION.md"
@@ -22,6 +23,11 @@ def doc_task_file() -> str:
     """The complete task file of docs/EVALUATION.md's "Adding an eval task" (so the page's code is what runs)."""
     section = DOC.read_text().split("## Adding an eval task", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, re.S)[0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("evalregistry"))  # a 2-step transformer_d1 with its own tokenizer
 
 
 @pytest.fixture
@@ -37,12 +43,12 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", path.read_bytes()[16:24])  # the IHDR chunk: width, height
 
 
-def test_a_new_task_is_one_file(plugin, tiny_runs, tmp_path, capsys):
+def test_a_new_task_is_one_file(plugin, run, tmp_path, capsys):
     from archscale.eval_cli import eval_parser
 
     assert "--echo_words" in eval_parser().format_help() and "words in the echo prompt" in eval_parser().format_help()
     out = tmp_path / "eval.json"
-    assert main(["eval", "--checkpoint", str(tiny_runs["transformer"]), "--tasks", "echo,ppl", "--output", str(out),
+    assert main(["eval", "--checkpoint", str(run), "--tasks", "echo,ppl", "--output", str(out),
                  "--extrapolation", "1", "--ppl_max_batches", "1", "--echo_label", "mine"]) == 0
     std = capsys.readouterr()
     doc = json.loads(out.read_text())
@@ -50,7 +56,7 @@ def test_a_new_task_is_one_file(plugin, tiny_runs, tmp_path, capsys):
     echo = doc["results"]["echo"]
     from archscale.eval.loading import load_eval_model
 
-    tok = load_eval_model(str(tiny_runs["transformer"]), device="cpu").tokenizer
+    tok = load_eval_model(str(run), device="cpu").tokenizer
     assert echo["prompt_tokens"] == len(tok.encode("The The The ", eos=False)) > 0 and echo["label"] == "mine"
     assert isinstance(echo["continuation"], str) and doc["settings"]["echo_words"] == 3 and "echo" in doc["time_s"]
     assert f"echo: {echo['prompt_tokens']} prompt tokens" in std.out.splitlines()
@@ -103,8 +109,8 @@ SHARED = ("eval/runner.py", "eval_cli.py", "eval/estimate.py", "eval/report.py",
 
 
 def task_names_in(source: str, names: set[str]) -> list[str]:
-    """String constants in `source` that are a task's name (or a family prefix such as "niah_")."""
-    prefixes = {n.rstrip("0123456789").rstrip("_") + "_" for n in names if n[-1].isdigit()}
+    """String constants in `source` that are a task's name, or the prefix of a file's several names ("niah_")."""
+    prefixes = {n.split("_")[0] + "_" for t in all_tasks() if len(t.names) > 1 for n in t.names}
     return sorted({node.value for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Constant)
                    and isinstance(node.value, str) and (node.value in names or node.value in prefixes)})
 
@@ -123,14 +129,14 @@ def read_jsonl(p: Path) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def test_reason_through_eval_is_archscale_reasons_runner_and_resumes(tiny_runs, tmp_path, monkeypatch, capsys):
+def test_reason_through_eval_is_archscale_reasons_runner_and_resumes(run, tmp_path, monkeypatch, capsys):
     """`eval --tasks reason` draws the samples `archscale reason --checkpoint` draws (same seeds, same scoring), keeps
     them beside --output, and a rerun samples nothing (its completer is never called)."""
-    run, data = str(tiny_runs["transformer"]), str(Path(__file__).parent / "data" / "reason" / "gsm8k.jsonl")
+    run, data = str(run), str(Path(__file__).parent / "data" / "reason" / "gsm8k.jsonl")
     assert main(["reason", "--task", "gsm8k", "--data", data, "--checkpoint", run, "--samples", "2", "--max_tokens",
                  "6", "--temperature", "1.0", "--seed", "11", "--output", str(tmp_path / "r.json")]) == 0
     out = tmp_path / "e.json"
-    flags = ["eval", "--checkpoint", run, "--tasks", "reason", "--reason_data", data, "--reason_samples", "2",
+    flags = ["eval", "--checkpoint", str(run), "--tasks", "reason", "--reason_data", data, "--reason_samples", "2",
              "--reason_max_tokens", "6", "--reason_temperature", "1.0", "--seed", "11", "--output", str(out)]
     assert main(flags) == 0
     ours, theirs = read_jsonl(tmp_path / "e.reason-gsm8k.items.jsonl"), read_jsonl(tmp_path / "r.items.jsonl")

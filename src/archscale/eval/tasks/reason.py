@@ -52,7 +52,7 @@ def run(ctx: RunContext, name: str, p: dict) -> dict:
     rows, summary = run_reason(task, p["items"], completer, a.reason_samples, p["store"], ctx.progress)
     p["store"].rewrite([p["store"].key(r, r["prompt"]) for r in rows])
     summary.update(temperature=p["temperature"], max_tokens=a.reason_max_tokens, data=str(a.reason_data),
-                   source=a.checkpoint, items=str(p["store"].path))
+                   source=a.checkpoint, items_file=str(p["store"].path))
     return {task.name: summary}
 
 
