@@ -43,7 +43,7 @@ def _load_file(path: Path) -> EvalTask:
     name = f"archscale_eval_task_{abs(hash(str(path)))}_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling-free introspection look modules up by name
+    sys.modules[name] = module  # a @dataclass in the file looks its module up by name
     try:
         spec.loader.exec_module(module)
     except Exception as e:  # a broken plugin is the user's input: one line, not a traceback

@@ -28,7 +28,6 @@ class Option:
     protocol: dict[str, Any] | None = None
     quick: Any = NO_QUICK
     flag: bool = True
-    metavar: str | None = None
 
     def add_to(self, group) -> None:
         kw: dict[str, Any] = {"default": self.default, "help": self.help}
@@ -38,8 +37,6 @@ class Option:
             kw["type"] = self.type
         if self.choices is not None:
             kw["choices"] = list(self.choices)
-        if self.metavar is not None:
-            kw["metavar"] = self.metavar
         group.add_argument(f"--{self.name}", **kw)
 
 
