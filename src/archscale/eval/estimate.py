@@ -48,7 +48,7 @@ def measure_speed(em) -> tuple[float, float] | None:
     return model.flops_per_token(n, training=False) * n / max(forward_s, 1e-9), step_s
 
 
-def _generation_seconds(em, token_counts: list[int], new_tokens: int, batch_size: int, speed) -> float:
+def generation_seconds(em, token_counts: list[int], new_tokens: int, batch_size: int, speed) -> float:
     """Prefill of every prompt + one step per new token for each batch (greedy_batch groups equal lengths)."""
     rate, step_s = speed
     context = max(token_counts) + new_tokens
@@ -57,36 +57,13 @@ def _generation_seconds(em, token_counts: list[int], new_tokens: int, batch_size
     return prefill + batches * new_tokens * step_s
 
 
-def _ppl_seconds(em, p: dict, speed) -> float:
-    length = p["factors"][-1] * em.train_len
-    return p["samples"] * length * em.model.flops_per_token(length, training=False) / speed[0]
-
-
-def task_rows(em, args, plans: dict, count_tokens, speed) -> list[tuple[str, str, float | None]]:
-    """(task, what runs, estimated seconds or None) per planned built-in task."""
-    from archscale.eval.niah import TOKENS_TO_GENERATE
-    from archscale.eval.phonebook import MAX_NEW_TOKENS
-
+def task_rows(ctx, planned: list, speed) -> list[tuple[str, str, float | None]]:
+    """(task, what runs, estimated seconds or None) per planned task: each task's `plan_row`."""
     rows = []
-    if "ppl" in plans:
-        p = plans["ppl"]
-        rows.append(("ppl", f"{','.join(f'{k}x' for k in p['factors'])}: {p['samples']} samples of "
-                            f"{p['factors'][-1] * em.train_len} tokens", _ppl_seconds(em, p, speed) if speed else None))
-    if "phonebook" in plans:
-        p = plans["phonebook"]
-        per = {n: [s["prompt"] for m in p["samples"][n] for s in m] for n in p["lengths"]}
-        secs = sum(_generation_seconds(em, [count_tokens(x) for x in v], MAX_NEW_TOKENS, args.batch_size, speed)
-                   for v in per.values()) if speed else None
-        counts = sorted({len(v) for v in per.values()})
-        rows.append(("phonebook", f"{', '.join(map(str, p['lengths']))} entries: {'/'.join(map(str, counts))} "
-                                  f"samples per length, {MAX_NEW_TOKENS} new tokens each", secs))
-    for task in [t for t in plans if t.startswith("niah_")]:
-        p = plans[task]
-        secs = sum(_generation_seconds(em, [s["length"] - TOKENS_TO_GENERATE for s in v], TOKENS_TO_GENERATE,
-                                       args.batch_size, speed) for v in p.values()) if speed else None
-        counts = sorted({len(v) for v in p.values()})
-        rows.append((task, f"{', '.join(map(str, p))} tokens: {'/'.join(map(str, counts))} samples per length, "
-                           f"{TOKENS_TO_GENERATE} new tokens each", secs))
+    for name, task, plan in planned:
+        if task.plan_row is not None:
+            what, secs = task.plan_row(ctx, name, plan, speed if task.uses_speed else None)
+            rows.append((name, what, secs))
     return rows
 
 
@@ -98,12 +75,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def plan_lines(em, args, plans: dict, lm_tasks: list[str], count_tokens, measure: bool = True) -> list[str]:
-    """The plan as lines (measuring the model's speed first unless `measure` is False, e.g. when quiet)."""
-    speed = measure_speed(em) if measure and plans else None
-    rows = task_rows(em, args, plans, count_tokens, speed)
-    if lm_tasks:
-        rows.append(("lm_eval", ", ".join(lm_tasks), None))
+def plan_lines(ctx, planned: list, measure: bool = True) -> list[str]:
+    """The plan as lines; `planned`: (name, EvalTask, plan) in run order. The model's speed is measured first when
+    a task's estimate uses it, unless `measure` is False (e.g. when quiet)."""
+    em, args = ctx.em, ctx.args
+    speed = measure_speed(em) if measure and any(task.uses_speed for _, task, _ in planned) else None
+    rows = task_rows(ctx, planned, speed)
     name = getattr(getattr(em.model, "config", None), "name", None) or "model"
     head = f"eval plan: {name}" + (f" (step {em.step})" if em.step is not None else "") + \
         f" on {em.device}, batch {args.batch_size}" + (", --quick" if getattr(args, "quick", False) else "")

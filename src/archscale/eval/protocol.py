@@ -1,4 +1,6 @@
 """`archscale eval --protocol`: which settings a flag left unset takes (docs/EVALUATION.md has the full table).
+Each task declares its own (`Option.protocol` and `Option.quick` in archscale/eval/tasks/); this module applies
+them and each task's `settle` (values computed from the run, fallbacks for missing packages).
 
 * `native` (default): archscale's own choices, fast on small models: extrapolation 1x/2x/4x over every validation
   block; Phonebook 40 samples per length over 10..40 entries with offline names and lenient scoring; NIAH 100
@@ -21,26 +23,30 @@ resolved value.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from archscale.errors import UserError
+from archscale.eval.tasks.base import NO_QUICK
 
 PROTOCOLS = ("native", "archscale", "archscale-strict")
 
-# flag -> default per protocol (None: computed from the run, see resolve())
-DEFAULTS = {
-    "native": {"extrapolation": "1,2,4", "ppl_selection": "all", "min_eval_len": 10, "max_eval_len": 40,
-               "eval_len_step": 10, "eval_num_batches": 4, "phonebook_batch_size": 10, "phonebook_style": "native",
-               "niah_samples": 100, "max_seq_lengths": None, "niah_keys": "offline", "lm_eval_max_length": None},
-    "archscale": {"extrapolation": None, "ppl_selection": "archscale", "min_eval_len": 480, "max_eval_len": 480,
-                  "eval_len_step": 1, "eval_num_batches": 32, "phonebook_batch_size": 4,
-                  "phonebook_style": "archscale", "niah_samples": 500, "max_seq_lengths": "4096",
-                  "niah_keys": "wonderwords", "lm_eval_max_length": 4096},
-}
-DEFAULTS["archscale-strict"] = DEFAULTS["archscale"]
-for _d in DEFAULTS.values():
-    _d.setdefault("ppl_max_batches", None)  # None: every validation batch
-# --quick, on top of the protocol's defaults (explicit flags still win)
-QUICK = {"extrapolation": "1,2", "ppl_max_batches": 4, "min_eval_len": 10, "max_eval_len": 20, "eval_len_step": 10,
-         "eval_num_batches": 4, "phonebook_batch_size": 1, "niah_samples": 2, "max_seq_lengths": None}
+
+def _protocol_options(tasks):
+    return [o for t in tasks for o in t.options if o.protocol is not None]
+
+
+def defaults(protocol: str, quick: bool = False) -> dict:
+    """Every task's protocol settings (`Option.protocol`, archscale-strict takes archscale's), --quick's on top;
+    None: computed from the run by the task's `settle`."""
+    from archscale.eval.tasks import all_tasks
+
+    key = "archscale" if protocol == "archscale-strict" else protocol
+    out = {}
+    for o in _protocol_options(all_tasks()):
+        out[o.name] = o.protocol.get(key)
+        if quick and o.quick is not NO_QUICK:
+            out[o.name] = o.quick
+    return out
 
 
 def _available(module: str) -> bool:
@@ -51,33 +57,20 @@ def _available(module: str) -> bool:
 
 def resolve(args, train_len: int, varlen: bool, needs: set[str]) -> tuple[dict, list[str]]:
     """The settings for `args.protocol` with explicit flags on top, and notes on every fallback. `needs`: the
-    built-in tasks that will run (a missing package matters only to the task that uses it)."""
-    from archscale.eval.ppl import archscale_factors
+    tasks that will run (a missing package matters only to the task that uses it)."""
+    from archscale.eval.tasks import all_tasks
 
     protocol = getattr(args, "protocol", None) or "native"
     if protocol not in PROTOCOLS:
         raise UserError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
-    out = dict(DEFAULTS[protocol])
-    if getattr(args, "quick", False):
-        out.update(QUICK)
+    out = defaults(protocol, quick=getattr(args, "quick", False))
     for key in out:
         given = getattr(args, key, None)
         if given is not None:
             out[key] = given
-    if out["extrapolation"] is None:
-        out["extrapolation"] = ",".join(str(k) for k in archscale_factors(train_len, varlen))
-    if out["max_seq_lengths"] is None:
-        out["max_seq_lengths"] = str(train_len)
-    out["phonebook_names"] = "names" if out["phonebook_style"] == "archscale" else "offline"
+    run = SimpleNamespace(train_len=train_len, varlen=varlen, needs=set(needs), available=_available)
+    missing = [m for task in all_tasks() if task.settle for m in task.settle(out, run)]
     notes = []
-    missing = []
-    if "phonebook" in needs and out["phonebook_names"] == "names" and not _available("names"):
-        missing.append(("names", "Phonebook books use archscale's offline name lists, not ArchScale's"))
-        out["phonebook_names"] = "offline"
-    niah = any(t.startswith("niah_") for t in needs)
-    if niah and out["niah_keys"] == "wonderwords" and not _available("wonderwords"):
-        missing.append(("wonderwords", "NIAH keys come from archscale's offline word lists, not RULER's"))
-        out["niah_keys"] = "offline"
     for package, consequence in missing:
         if protocol == "archscale-strict":
             raise UserError(f"--protocol archscale-strict needs the `{package}` package: pip install {package} "

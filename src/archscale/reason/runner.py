@@ -14,6 +14,7 @@ import os
 import threading
 from math import comb
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 from archscale.errors import UserError
@@ -203,9 +204,18 @@ def checkpoint_completer(checkpoint: str, tokenizer: str | None, device: str | N
                          temperature: float, stop: tuple[str, ...], seed: int | None, max_batch: int = 16) -> Completer:
     """Our engine in this process: every sample of every problem is queued at once and decoded in batches."""
     from archscale.serve.cli import load_served_model
-    from archscale.serve.engine import Engine, SamplingParams, Sequence
 
     sm = load_served_model(checkpoint, tokenizer, device)
+    return model_completer(sm.model, sm.tokenizer, sm.autocast, max_tokens, temperature, stop, seed, max_batch,
+                           source=f"--checkpoint {checkpoint}")
+
+
+def model_completer(model, tokenizer, autocast, max_tokens: int, temperature: float, stop: tuple[str, ...],
+                    seed: int | None, max_batch: int = 16, source: str = "the model") -> Completer:
+    """`checkpoint_completer` on a model already loaded (`archscale eval --tasks reason` reuses its own)."""
+    from archscale.serve.engine import Engine, SamplingParams, Sequence
+
+    sm = SimpleNamespace(model=model, tokenizer=tokenizer, autocast=autocast)
 
     def run(jobs: list[tuple[int, str]], n: int, on_done) -> None:
         ids = [sm.tokenizer.encode(p, bos=False, eos=False) or [sm.tokenizer.eos_id] for _, p in jobs]
@@ -242,7 +252,7 @@ def checkpoint_completer(checkpoint: str, tokenizer: str | None, device: str | N
         finally:
             engine.shutdown()
         if errors:
-            raise UserError(f"--checkpoint {checkpoint}: generation failed ({errors[0]})")
+            raise UserError(f"{source}: generation failed ({errors[0]})")
 
     return run
 
