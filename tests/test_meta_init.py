@@ -139,6 +139,23 @@ def test_fsdp2_meta_init_equals_eager_init_on_two_processes(tmp_path):
             assert r["local_numel"] < 0.6 * r["total_numel"], (rank, name, r)  # sharded: about half each
 
 
+@pytest.mark.slow
+def test_fsdp2_training_builds_on_meta_and_matches_one_process(tmp_path):
+    """The trainer's FSDP2 path builds on meta (it says so) and trains like one process (eager init there): same
+    train and validation losses, the tolerance of tests/test_distributed.py (only the order of sums differs)."""
+    from archscale.cli import main
+    from tests.conftest import make_dataset
+    from tests.test_distributed import assert_same, base_args, torchrun
+
+    data = make_dataset(tmp_path / "data")
+    short = ("--resume", "none", "--max_tokens", "768")  # 3 optimizer steps
+    assert main(["pretrain", *base_args(data, tmp_path / "single", "transformer", *short)]) == 0
+    out = torchrun("pretrain.py", *base_args(data, tmp_path / "fsdp", "transformer", *short, "--strategy", "fsdp"))
+    assert "meta-device init: built on meta" in out
+    assert_same(tmp_path / "fsdp", tmp_path / "single")
+    assert_same(tmp_path / "fsdp", tmp_path / "single", col="val_loss")
+
+
 def _worker(out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
