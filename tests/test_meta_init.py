@@ -87,6 +87,19 @@ def test_meta_init_equals_eager_init_in_one_process(name):
         assert torch.equal(model(tokens(cfg)), ref(tokens(cfg)))  # RoPE cache and all
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["sambay", "sgdny", "moe"])
+def test_meta_init_on_cuda_equals_the_eager_cpu_init(name):
+    """Materialised on a GPU, the values are still the CPU init's (the trainer's eager build is on the CPU, then
+    moved): RNG draws and the mixers' init arithmetic (exp, log of Mamba's dt / A) run on the CPU."""
+    cfg = config(name)
+    ref, ref_rng = eager(cfg)
+    torch.manual_seed(SEED)
+    model = materialize(build_on_meta(cfg), "cuda")
+    assert all(p.is_cuda for p in model.parameters())
+    assert mismatches(model.cpu(), ref) == [] and torch.equal(torch.get_rng_state(), ref_rng)
+
+
 def test_a_replay_that_skips_the_constructor_draws_is_caught(monkeypatch):
     """Negative control of the comparison: a meta build that does not replay the constructor's draws (the
     generator then starts `reset_parameters` elsewhere) gives other values, and the test above sees it."""
