@@ -12,8 +12,8 @@ constructor and then `GPT.reset_parameters` (every module's own init, children f
 
 - for every RNG op (any aten op tagged `nondeterministic_seeded`: uniform_, normal_, rand, ...) draws from the
   global CPU generator into a FULL-size CPU tensor, exactly as the eager CPU init draws, and keeps only this rank's
-  slice of it (a sharded DTensor parameter) or nothing (a meta tensor: the constructor's draws only advance the
-  generator, `reset_parameters` overwrites every value they gave);
+  slice of it (a sharded DTensor parameter), all of it (a plain parameter on a GPU) or nothing (a meta tensor: the
+  constructor's draws only advance the generator, `reset_parameters` overwrites every value they gave);
 - writes a plain tensor copied into a DTensor parameter (`A_log.copy_(log A)`) as this rank's slice of it;
 - creates every new plain tensor (the scratch of a mixer's own init: Mamba's dt, A) on the CPU whatever device
   was asked for, so its arithmetic (exp, log, expm1) is the CPU's, as in the eager init.
@@ -23,8 +23,9 @@ peak of the build per rank is: this rank's shards of every parameter (fp32) + th
 (host memory; the token embedding or lm_head, or a mixture of experts' stacked expert weight) + the mixers'
 scratch vectors (d_inner-sized). Measured in docs/BENCHMARKS.md ("Meta-device init").
 
-Every parameter is filled with NaN before the init runs and checked afterwards, and no tensor attribute may stay on
-`meta`: a parameter or buffer that no `reset_parameters` initialises is an error here, not a silent wrong value.
+Every parameter and buffer is filled with NaN before the init runs and checked afterwards, and no tensor attribute
+may stay on `meta`: a parameter or buffer that no `reset_parameters` initialises is an error here, not a silent
+wrong value. (GPT registers no buffers today; its RoPE cos/sin cache is built on first use, on the input's device.)
 The global CPU generator ends in the same state as after the eager build (every draw is replayed).
 
 The trainer uses it for FSDP2 without `--pp` / `--ep` (`applies`): `build_on_meta` replaces `GPT(config)`, and

@@ -622,7 +622,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- setup
     def _build_model(self) -> torch.nn.Module:
-        """Every rank builds the same init from the same seed, then parallelize() wraps/shards it."""
+        """Every rank builds the same init from the same seed, then parallelize() wraps/shards it (FSDP2: on meta,
+        initialised after sharding with the same values, train/meta_init.py)."""
         cfg, env = self.cfg, self.env
         torch.manual_seed(cfg.seed)
         # ---- meta-device init (train/meta_init.py): FSDP2 builds on meta, materialises after sharding (below)
