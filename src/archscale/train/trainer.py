@@ -34,6 +34,7 @@ from archscale.errors import NonFiniteError, UserError
 from archscale.models.model import GPT
 from archscale.scaling_rules import RoleRule, resolve_batch_and_lr, resolve_parametrization, tokens_for_params
 from archscale.train import checkpoint as ckpt
+from archscale.train import meta_init
 from archscale.train.config import PretrainConfig, apply_train_name, moe_options, rope_scaling_factor, validate
 from archscale.train.curriculum import cut_batch, parse_curriculum
 from archscale.train.deepspeed_engine import to_universal
@@ -621,10 +622,13 @@ class Trainer:
 
     # ---------------------------------------------------------------- setup
     def _build_model(self) -> torch.nn.Module:
-        """Every rank builds the same init from the same seed, then parallelize() wraps/shards it."""
+        """Every rank builds the same init from the same seed, then parallelize() wraps/shards it (FSDP2: on meta,
+        initialised after sharding with the same values, train/meta_init.py)."""
         cfg, env = self.cfg, self.env
         torch.manual_seed(cfg.seed)
-        model = GPT(self.model_cfg).to(env.device)
+        # ---- meta-device init (train/meta_init.py): FSDP2 builds on meta, materialises after sharding (below)
+        meta = meta_init.applies(env.strategy, cfg.pp, cfg.ep)
+        model = meta_init.build_on_meta(self.model_cfg) if meta else GPT(self.model_cfg).to(env.device)
         if cfg.compile and cfg.fsdp_save_mem:
             self.log("note: --fsdp_save_mem turns --compile off (as ArchScale does)")
         # FSDP2's CPUOffloadPolicy needs an accelerator to offload from; on a CPU machine the shards already live
@@ -646,10 +650,14 @@ class Trainer:
             check_ep(cfg.ep, env.world_size, env.strategy)
             self.experts = ExpertParallel(cfg.ep, env.device)
             self.experts.shard(model)
-        return parallelize(model, env, act_ckpt=cfg.act_ckpt or cfg.fsdp_save_mem,
-                           compile=cfg.compile and not cfg.fsdp_save_mem, bf16=cfg.precision == "bf16-mixed",
-                           cpu_offload=cpu_offload,
-                           ignored=frozenset(self.experts.params) if self.experts else frozenset())
+        model = parallelize(model, env, act_ckpt=cfg.act_ckpt or cfg.fsdp_save_mem,
+                            compile=cfg.compile and not cfg.fsdp_save_mem, bf16=cfg.precision == "bf16-mixed",
+                            cpu_offload=cpu_offload,
+                            ignored=frozenset(self.experts.params) if self.experts else frozenset())
+        if meta:  # the shards, initialised as the eager build would (CPU-offloaded shards live on the host)
+            meta_init.materialize(model, torch.device("cpu") if cpu_offload else env.device)
+            self.log("meta-device init: built on meta, sharded, initialised shard by shard")
+        return model
 
     def _build_data(self) -> None:
         """One global sample order; rank r takes micro-batches r, r+W, ... (the same global batches whatever the

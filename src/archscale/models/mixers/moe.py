@@ -80,8 +80,7 @@ class GroupedLinear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.weight = nn.Parameter(torch.empty(n, out_features, in_features))
-        if not self.weight.is_meta:
-            self.reset_parameters()
+        self.reset_parameters()  # on meta too (a no-op there): meta-device init replays its draws (train/meta_init.py)
 
     def reset_parameters(self) -> None:
         bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) of nn.Linear, per expert
