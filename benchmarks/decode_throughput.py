@@ -19,6 +19,8 @@ of it (bytes / bandwidth / step time). The caches are filled to the context with
 depend on the values: the prompt's first 64 positions' K/V are tiled), so 16K x 32 costs no 16K prefill.
 
     python benchmarks/decode_throughput.py --bound --threads 1
+    python benchmarks/decode_throughput.py --threads 1 --window_before OLD/models/cache.py   # the window ring
+    PYTHONPATH=OLD_SRC python benchmarks/decode_throughput.py --threads 1 --sampling         # serving's sampling
 """
 
 from __future__ import annotations
@@ -161,6 +163,62 @@ def print_bound(a) -> None:
     print(f"load average at the end: {_load()}")
 
 
+def window_before_after(old_cache_py: str, batch: int = 32, groups: int = 2, hd: int = 32, window: int = 128) -> None:
+    """`WindowKVCache.append` of `old_cache_py` (e.g. an older commit's models/cache.py) against today's, in this
+    process, CPU time (thread time: far less disturbed by other processes than wall time), alternating rounds."""
+    import importlib.util
+
+    from archscale.models import cache as new
+
+    spec = importlib.util.spec_from_file_location("old_cache", old_cache_py)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    res = {"before": [], "after": []}
+    for r in range(6):
+        for name, mod in (("before", old), ("after", new))[::1 if r % 2 == 0 else -1]:
+            c = mod.WindowKVCache(window)
+            c.append(torch.randn(batch, groups, 200, hd), torch.randn(batch, groups, 200, hd))
+            k = torch.randn(batch, groups, 1, hd)
+            t0 = time.thread_time()
+            for _ in range(300):
+                c.append(k, k)
+            res[name].append((time.thread_time() - t0) / 300 * 1e6)
+    for name, v in res.items():
+        print(f"WindowKVCache.append, batch {batch}, {groups} KV heads x {hd}, window {window}: {name}: median "
+              f"{statistics.median(v):.0f} us CPU per step (6 alternating rounds of 300)")
+
+
+def sampling_cost(rows: int = 16, vocab: int = 32000, steps: int = 200) -> None:
+    """CPU time of the serving engine's per-step work after the decode step (sampling, finiteness, bookkeeping) for
+    `rows` greedy rows: the step's logits are fixed, so only that work is timed. Run it with PYTHONPATH on an older
+    src/ and on today's in turn for a before / after."""
+    from archscale.serve import engine as eng_mod
+    from archscale.serve.batching import decode_step
+
+    class Tok:
+        eos_id = 0
+
+        def decode(self, ids):
+            return "x" * len(ids)
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig.from_arch("transformer", 4, vocab_size=vocab, block_size=512)).eval()
+    eng = eng_mod.Engine(model, Tok(), max_batch=rows)
+    times = []
+    with torch.inference_mode():
+        for i in range(rows):
+            eng._admit(eng_mod.Sequence(list(range(1, 20 + i)), eng_mod.SamplingParams(
+                max_tokens=10 ** 6, temperature=0, ignore_eos=True), lambda e: None))
+        logits = decode_step(eng.batch, torch.tensor([s.out_ids[-1] for s in eng.rows]))
+        eng_mod.decode_step = lambda batch, tokens: logits
+        for _ in range(steps):
+            t0 = time.thread_time()
+            eng._step()
+            times.append(time.thread_time() - t0)
+    print(f"engine step after the model, {rows} greedy rows, vocab {vocab}: median {statistics.median(times) * 1e3:.2f} "
+          f"ms CPU (thread time) per step")
+
+
 def _load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -180,9 +238,18 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--contexts", default="2048,8192,16384")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--window_before", default=None, metavar="CACHE_PY",
+                   help="time an older models/cache.py's sliding-window append against today's, and exit")
+    p.add_argument("--sampling", action="store_true", help="time the serving engine's per-step sampling, and exit")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.sampling:
+        sampling_cost()
+        return
+    if a.window_before:
+        window_before_after(a.window_before)
+        return
     if a.bound:
         print_bound(a)
         return
