@@ -215,8 +215,8 @@ def sampling_cost(rows: int = 16, vocab: int = 32000, steps: int = 200) -> None:
             t0 = time.thread_time()
             eng._step()
             times.append(time.thread_time() - t0)
-    print(f"engine step after the model, {rows} greedy rows, vocab {vocab}: median {statistics.median(times) * 1e3:.2f} "
-          f"ms CPU (thread time) per step")
+    ms = statistics.median(times) * 1e3
+    print(f"engine step after the model, {rows} greedy rows, vocab {vocab}: median {ms:.2f} ms CPU (thread time) per step")
 
 
 def _load() -> str:

@@ -40,7 +40,8 @@ def ensure_vllm(venv: Path) -> Path:
     if py.exists() and subprocess.run([str(py), "-c", "import vllm.entrypoints.openai.api_server"],
                                       capture_output=True).returncode == 0:
         return py
-    print(f"installing {VLLM_SPEC} into {venv} (first time only: about 10 minutes on 2 shared cores, ~3.5 GB)", flush=True)
+    print(f"installing {VLLM_SPEC} into {venv} (first time only: about 10 minutes on 2 shared cores, ~3.5 GB)",
+          flush=True)
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(py), "-m", "pip", "install", "-q", VLLM_SPEC, "-c", str(ROOT / "constraints-cpu.txt")],
