@@ -1,7 +1,7 @@
 """Inference state for incremental decoding: one object per generation, one entry per layer.
 
 - full attention: `KVCache`, K/V buffers preallocated to the generation's length and filled in place;
-- sliding-window attention: `WindowKVCache`, only the last W-1 keys (all a new query can see);
+- sliding-window attention: `WindowKVCache`, only the last W-1 keys (all a new query can see), a ring in decoding;
 - Mamba: `MambaState` (conv window + SSM state), kept by the Mamba mixer itself;
 - YOCO: the one `kv` layer's `KVCache`, which every cross-attention layer reads (no per-layer KV);
 - GMU layers keep nothing: their memory is the current tokens' Mamba output, recomputed every step.
@@ -41,23 +41,46 @@ class KVCache:
 
 
 class WindowKVCache:
-    """Rolling K/V of the last `window - 1` positions (a query sees itself and W-1 earlier keys)."""
+    """Rolling K/V of the last `window - 1` positions (a query sees itself and W-1 earlier keys).
+
+    A prompt (T > 1) keeps them in position order. Once W-1 keys are kept, single-token decoding switches to a ring
+    of W slots written in place (the new key over the one that just left the window), so a step copies one key,
+    not the window: a lone query sees every key of its window, and attention does not depend on the keys' order
+    (RoPE is already applied). `ordered()` gives the kept keys in position order in either mode."""
 
     def __init__(self, window: int):
         self.keep = window - 1
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.next: int | None = None  # ring mode: the slot the next key goes to (it holds the oldest key)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Returns (K, V, n_old): the kept keys followed by the new ones, n_old of them from before."""
-        if self.k is None:
+        """Returns (K, V, n_old): the keys this step's queries attend to, n_old of them from before."""
+        if k.shape[2] == 1 and self.k is not None and self.keep > 0 and (self.next is not None or
+                                                                         self.k.shape[2] == self.keep):
+            if self.next is None:  # the window just filled: one copy into a ring of W slots, the new key last
+                self.k, self.v, self.next = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2), 0
+            else:
+                self.k[:, :, self.next], self.v[:, :, self.next] = k[:, :, 0], v[:, :, 0]
+                self.next = (self.next + 1) % (self.keep + 1)
+            return self.k, self.v, self.keep
+        old_k, old_v = self.ordered() if self.k is not None else (None, None)
+        if old_k is None:
             n_old, kk, vv = 0, k, v
         else:
-            n_old = self.k.shape[2]
-            kk, vv = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+            n_old = old_k.shape[2]
+            kk, vv = torch.cat([old_k, k], dim=2), torch.cat([old_v, v], dim=2)
         start = max(0, kk.shape[2] - self.keep)
-        self.k, self.v = kk[:, :, start:].clone(), vv[:, :, start:].clone()
+        self.k, self.v, self.next = kk[:, :, start:].clone(), vv[:, :, start:].clone(), None
         return kk, vv, n_old
+
+    def ordered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept K/V (B, G, <= W-1, d) in position order."""
+        if self.next is None:
+            return self.k, self.v
+        shift = -((self.next + 1) % (self.keep + 1))  # the oldest kept key's slot first; drop the leaving one
+        return (torch.roll(self.k, shift, dims=2)[:, :, :self.keep],
+                torch.roll(self.v, shift, dims=2)[:, :, :self.keep])
 
 
 class InferenceCache:

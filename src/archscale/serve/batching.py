@@ -142,7 +142,7 @@ class BatchState:
         for idx, state in cache.layers.items():
             if isinstance(state, (KVCache, WindowKVCache)):
                 k, v = (state.k[:, :, :state.length], state.v[:, :, :state.length]) if isinstance(state, KVCache) \
-                    else (state.k, state.v)
+                    else state.ordered()
                 if idx not in self.kv:
                     window = state.keep + 1 if isinstance(state, WindowKVCache) else 0
                     self.kv[idx] = _SlotKV(k, self.slots, window)

@@ -79,6 +79,11 @@ class Sequence:
         self.submitted = time.monotonic()
 
 
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with nothing that reads the row's logits beyond their argmax (no penalty, no logprobs)."""
+    return p.temperature <= 0 and p.repetition_penalty == 1.0 and p.logprobs is None
+
+
 def _top(logprobs: torch.Tensor, n: int, decode) -> dict[str, float]:
     vals, ids = torch.topk(logprobs, min(n, logprobs.shape[-1]))
     return {decode([i]): float(v) for v, i in zip(vals.tolist(), ids.tolist())}
@@ -189,8 +194,13 @@ class Engine:
             logits = decode_step(self.batch, tokens)
         self.steps += 1
         self.peak_rows = max(self.peak_rows, len(self.rows))
-        for seq, row in zip(self.rows, logits):  # one row's failure ends that row only
-            self._guarded([seq], self._accept, seq, row)
+        logits = logits.float()
+        # one device sync for every row's finiteness and every plain greedy row's token, not one per row
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        plain = [_plain_greedy(s.params) for s in self.rows]
+        picks = logits.argmax(dim=-1).tolist() if any(plain) else None
+        for i, (seq, row) in enumerate(zip(self.rows, logits)):  # one row's failure ends that row only
+            self._guarded([seq], self._accept, seq, row, finite[i], picks[i] if plain[i] else None)
 
     def _drop_finished(self) -> None:
         i = 0
@@ -207,23 +217,19 @@ class Engine:
             self.rows.pop()
 
     # ------------------------------------------------------------------------------------ tokens and text
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample seq's next token from its logits (vocab,), update its text, emit what is final."""
+    def _accept(self, seq: Sequence, logits: torch.Tensor, finite: bool | None = None, tok: int | None = None) -> None:
+        """Sample seq's next token from its logits (vocab,) (or take `tok`, the batch's argmax for a plain greedy
+        row), update its text, emit what is final. `finite`: the batch already checked this row's logits."""
         p = seq.params
         logits = logits.float()
-        if not bool(torch.isfinite(logits).all()):  # a NaN argmax is no token: the row's own state broke
-            raise FloatingPointError("the model's logits for this sequence are not finite")
-        logprobs = torch.log_softmax(logits, dim=-1)  # reported under the model, before any sampling transform
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.prompt_ids + seq.out_ids)), device=logits.device)
-            picked = logits[seen]
-            logits = logits.clone()
-            logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
-        top_p = p.top_p if p.top_p < 1.0 else None
-        tok = int(sample_next(logits[None], p.temperature, p.top_k or None, top_p, seq.generator)[0])
+        if not (finite if finite is not None else bool(torch.isfinite(logits).all())):
+            raise FloatingPointError("the model's logits for this sequence are not finite")  # a NaN is no token
+        if tok is None:
+            tok = self._sample(seq, logits)
         seq.out_ids.append(tok)
         info = []
-        if p.logprobs is not None:
+        if p.logprobs is not None:  # reported under the model, before any sampling transform
+            logprobs = torch.log_softmax(logits, dim=-1)
             info = [TokenInfo(self.tok.decode([tok]), float(logprobs[tok]),
                               _top(logprobs, p.logprobs, self.tok.decode) if p.logprobs else None)]
         finish = None
@@ -238,6 +244,17 @@ class Engine:
             if cut is not None:
                 seq.text, finish = seq.text[:cut], "stop"
         self._emit_text(seq, info, finish)
+
+    @staticmethod
+    def _sample(seq: Sequence, logits: torch.Tensor) -> int:
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.prompt_ids + seq.out_ids)), device=logits.device)
+            picked = logits[seen]
+            logits = logits.clone()
+            logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        top_p = p.top_p if p.top_p < 1.0 else None
+        return int(sample_next(logits[None], p.temperature, p.top_k or None, top_p, seq.generator)[0])
 
     def _detokenize(self, seq: Sequence, ids: list[int], final: bool) -> None:
         """Append the text of the new tokens, decoding only a short window (vLLM's and TGI's scheme: the tokens
