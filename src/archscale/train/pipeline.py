@@ -34,12 +34,10 @@ from archscale.errors import UserError
 from archscale.models.mixers import ForwardContext
 from archscale.models.model import GPT, output_head
 from archscale.models.rope import rope_cache
-from archscale.train.strategy import CLIP_NORM, Strategy, StepOutcome
+from archscale.train.parallel_layout import ParallelLayout, stages_per_rank
+from archscale.train.parallelize import apply_act_ckpt, apply_compile
+from archscale.train.strategy import CLIP_NORM, OptimizerSpec, Strategy, StepOutcome, register
 
-
-
-def stages_per_rank(schedule: str) -> int:
-    return 2 if schedule == "interleaved1f1b" else 1
 
 
 def stage_layers(n_layer: int, n_stages: int, spec: Optional[str] = None) -> list[range]:
@@ -63,34 +61,9 @@ def _even(n: int, k: int) -> list[int]:
     return [n // k + (1 if s < n % k else 0) for s in range(k)]
 
 
-def check_pp(cfg, n_layer: int, world_size: int, microbatches: int, tie: bool) -> None:
-    """Every combination `--pp` does not support, as one-line errors (the dry run calls this too)."""
-    pp, sched = cfg.pp, cfg.pp_schedule  # >= 1 and a known schedule (train/config.validate)
-    if pp == 1:
-        if cfg.pp_layers:
-            raise UserError("--pp_layers cuts a pipeline: add --pp N")
-        return
-    stages = pp * stages_per_rank(sched)
-    if world_size % pp:
-        raise UserError(f"--pp {pp} must divide the number of processes ({world_size}); launch with torchrun "
-                        f"--nproc_per_node a multiple of {pp}")
-    if stages > n_layer:
-        raise UserError(f"--pp {pp} ({sched}: {stages} stages) needs at least {stages} blocks; the model has "
-                        f"{n_layer} (raise --depth or lower --pp)")
-    unsupported = [("--strategy " + cfg.strategy, cfg.strategy not in ("auto", "ddp")), ("--ep", cfg.ep > 1),
-                   ("tied embeddings", tie), ("--varlen", cfg.varlen), ("--curriculum", cfg.curriculum != "none"),
-                   ("--precision fp16-mixed", cfg.precision == "fp16-mixed"), ("--fsdp_save_mem", cfg.fsdp_save_mem),
-                   ("--grad_compression", (cfg.grad_compression or "none") != "none")]
-    for what, bad in unsupported:
-        if bad:
-            raise UserError(f"--pp {pp} does not combine with {what} (pipeline stages run with plain data "
-                            "parallelism over the other ranks: --strategy auto or ddp)")
-    if sched == "1f1b" and microbatches < pp:
-        raise UserError(f"--pp_schedule 1f1b needs at least --pp {pp} micro-batches per step (this run has "
-                        f"{microbatches}: lower --micro_bsz or raise --base_hps.b0)")
-    if sched == "interleaved1f1b" and microbatches % max(1, microbatches // pp):
-        raise UserError(f"--pp_schedule interleaved1f1b: {microbatches} micro-batches per step must be a multiple "
-                        f"of {max(1, microbatches // pp)} (micro-batches // pp); change --micro_bsz or --base_hps.b0")
+def pipeline_section(cfg, n_layer: int, microbatches: int) -> dict:
+    """The dry run's {"pipeline": ...} section ({} without --pp)."""
+    return {"pipeline": pipeline_summary(cfg, n_layer, microbatches)} if cfg.pp > 1 else {}
 
 
 def pipeline_summary(cfg, n_layer: int, microbatches: int) -> dict:
@@ -271,20 +244,17 @@ class Pipeline:
         return self.stage_ids[-1] == self.n_stages - 1
 
 
-def build_pipeline(model: GPT, cfg, env, return_hidden: bool) -> Pipeline:
+def build_pipeline(model: GPT, layout: ParallelLayout, pp_layers: Optional[str], return_hidden: bool) -> Pipeline:
     """Cut the full `model` (built identically on every rank) into stages and keep this rank's. The caller
     drops `model` afterwards, which frees the other stages' blocks."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    pp, world = cfg.pp, env.world_size
-    mesh = init_device_mesh(env.device.type, (world // pp, pp), mesh_dim_names=("dp", "pp"))
-    pp_rank = env.rank % pp
-    n_stages = pp * stages_per_rank(cfg.pp_schedule)
-    cut = stage_layers(model.config.n_layer, n_stages, cfg.pp_layers)
+    pp, pp_rank = layout.pp, layout.coords["pp"]
+    n_stages = pp * stages_per_rank(layout.pp_schedule)
+    cut = stage_layers(model.config.n_layer, n_stages, pp_layers)
     ids = list(range(pp_rank, n_stages, pp))  # interleaved: stages r, r + pp (torch's looped assignment)
     stages, shard = make_stages(model, cut, ids, return_hidden)
-    return Pipeline(shard=shard, stages=stages, stage_ids=ids, n_stages=n_stages, pp=pp, dp=world // pp,
-                    pp_rank=pp_rank, pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), cut=cut)
+    dp = layout.data_world
+    return Pipeline(shard=shard, stages=stages, stage_ids=ids, n_stages=n_stages, pp=pp, dp=dp, pp_rank=pp_rank,
+                    pp_group=layout.group("pp"), dp_group=layout.group(layout.data_dim), cut=cut)
 
 
 def make_stages(model: GPT, cut: list[range], ids: list[int],
@@ -326,20 +296,38 @@ def _as_tuple(output) -> tuple:
     return tuple(output) if isinstance(output, (tuple, list)) else (output,)
 
 
+@register
 class PipelineStrategy(Strategy):
     """`--pp N`: this rank runs its stages under the schedule; the step's micro-batches are the pipeline's."""
 
     name = "pipeline"
     flat_optimizer_state = True  # optimizer state keyed by parameter name: stages hold different parameters
 
-    def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer, accum: int, schedule: str,
-                 device: torch.device):
-        super().__init__(pipe.shard, optimizer, accum)
-        self.pipe, self.schedule_name, self.device = pipe, schedule, device
-        self.schedule = make_schedule(pipe, schedule, accum, self._train_loss, device)
-        self.eval_schedule = make_schedule(pipe, "gpipe", 1, self._eval_loss, device)
+    def __init__(self, layout: ParallelLayout, cfg, log: Callable[[str], None] = print):
+        super().__init__(layout, cfg, log)
+        self.schedule_name, self.device = cfg.pp_schedule, layout.device
+        self.pipe: Optional[Pipeline] = None
         self._lm: Callable = lambda out, target: None
         self._lm_of: dict[int, torch.Tensor] = {}
+
+    def build_model(self, factory: Callable[[], nn.Module]) -> nn.Module:
+        """Memory savers on the full model, then this rank's stages (FQNs unchanged)."""
+        from archscale.ops.cross_entropy import select_loss
+
+        model = factory().to(self.layout.device)
+        if self.cfg.act_ckpt:
+            apply_act_ckpt(model)
+        if self.cfg.compile:
+            apply_compile(model)
+        wants_hidden = select_loss(self.cfg.loss, model.config.vocab_size).wants_hidden
+        self.pipe = build_pipeline(model, self.layout, self.cfg.pp_layers, return_hidden=wants_hidden)
+        self.model = self.pipe.shard
+        return self.model
+
+    def build_optimizer(self, groups: list[dict], spec: OptimizerSpec) -> None:
+        super().build_optimizer(groups, spec)
+        self.schedule = make_schedule(self.pipe, self.schedule_name, spec.accum, self._train_loss, self.device)
+        self.eval_schedule = make_schedule(self.pipe, "gpipe", 1, self._eval_loss, self.device)
 
     # the last stage's loss functions; they record the language-model loss for logging
     def _train_loss(self, output: tuple, target: torch.Tensor) -> torch.Tensor:
