@@ -35,15 +35,15 @@ from archscale.errors import UserError
 class ExpertParallel:
     """The process groups of `--ep N` and the expert parameters they own."""
 
-    def __init__(self, ep: int, device: torch.device, mesh=None):
-        """`mesh`: the run's ParallelLayout, whose (data dimension, ep) sub-mesh holds the experts; without it
+    def __init__(self, ep: int, device: torch.device, layout=None):
+        """`layout`: the run's ParallelLayout, whose (data dimension, ep) sub-mesh holds the experts; without it
         (a test harness) a (replica, ep) mesh of its own."""
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size()
         self.size, self.world = ep, world
-        if mesh is not None:
-            self.mesh = mesh.submesh(mesh.data_dim, "ep")
+        if layout is not None:
+            self.mesh = layout.submesh(layout.data_dim, "ep")
         else:
             self.mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("replica", "ep"))
         # Groups of our own for the token exchange and the expert-gradient sums: the mesh may hand out the world

@@ -124,12 +124,9 @@ def stages_per_rank(schedule: str) -> int:
     return 2 if schedule in PP_SCHEDULES_TWO_STAGES else 1
 
 
-def _pipeline_refusals(cfg, strategy: str, tie: bool) -> list[tuple[str, bool, str]]:
+def _pipeline_refusals(cfg, strategy: str) -> list[tuple[str, bool, str]]:
     """(what, refused, why) for --pp: each a real limit of the pipeline as built here (docs/PIPELINE.md)."""
-    not_yet = "the pipeline stages do not run it yet"
     return [
-        ("--strategy fsdp", strategy == "fsdp", not_yet), ("tied embeddings", tie, not_yet),
-        ("--varlen", cfg.varlen, not_yet), ("--curriculum", cfg.curriculum != "none", not_yet),
         ("--strategy deepspeed", strategy == "deepspeed",
          "DeepSpeed's engine owns backward and the optimizer step; a pipeline schedule runs backward itself"),
         ("--ep", cfg.ep > 1, "expert all-to-alls inside a stage would need the expert group and the pipeline group "
@@ -142,7 +139,7 @@ def _pipeline_refusals(cfg, strategy: str, tie: bool) -> list[tuple[str, bool, s
     ]
 
 
-def check_layout(cfg, world_size: int, n_layer: int, microbatches: int, tie: bool = False) -> None:
+def check_layout(cfg, world_size: int, n_layer: int, microbatches: int) -> None:
     """Every rule on how --strategy, --pp and --ep combine with each other and with the rest, as one-line
     errors (the dry run calls this too)."""
     strategy = run_strategy(cfg)
@@ -157,10 +154,10 @@ def check_layout(cfg, world_size: int, n_layer: int, microbatches: int, tie: boo
         if cfg.pp_layers:
             raise UserError("--pp_layers cuts a pipeline: add --pp N")
         return
-    _check_pipeline(cfg, strategy, world_size, n_layer, microbatches, tie)
+    _check_pipeline(cfg, strategy, world_size, n_layer, microbatches)
 
 
-def _check_pipeline(cfg, strategy: str, world_size: int, n_layer: int, microbatches: int, tie: bool) -> None:
+def _check_pipeline(cfg, strategy: str, world_size: int, n_layer: int, microbatches: int) -> None:
     pp, sched = cfg.pp, cfg.pp_schedule
     stages = pp * stages_per_rank(sched)
     if world_size % pp:
@@ -169,7 +166,7 @@ def _check_pipeline(cfg, strategy: str, world_size: int, n_layer: int, microbatc
     if stages > n_layer:
         raise UserError(f"--pp {pp} ({sched}: {stages} stages) needs at least {stages} blocks; the model has "
                         f"{n_layer} (raise --depth or lower --pp)")
-    for what, refused, why in _pipeline_refusals(cfg, strategy, tie):
+    for what, refused, why in _pipeline_refusals(cfg, strategy):
         if refused:
             raise UserError(f"--pp {pp} does not combine with {what}: {why}")
     if sched == "1f1b" and microbatches < pp:

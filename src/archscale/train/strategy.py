@@ -142,7 +142,7 @@ class Strategy:
         if self.layout.ep > 1:  # split the experts before wrapping; DDP / FSDP2 then leave them alone
             from archscale.train.expert_parallel import ExpertParallel
 
-            self.experts = ExpertParallel(self.layout.ep, self.layout.device, mesh=self.layout)
+            self.experts = ExpertParallel(self.layout.ep, self.layout.device, layout=self.layout)
             self.experts.shard(model)
         return self.wrap(model, frozenset(self.experts.params) if self.experts else frozenset())
 

@@ -120,7 +120,7 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
     model_cfg = meta.config  # with every layer's record complete
     # --pp: the ranks of one pipeline share their batches; the data-parallel world is the pipelines
     batch, accum, lr = resolve_batch_and_lr(hps, cfg.micro_bsz, cfg.ctx_len, data_world_of(cfg, world_size))
-    check_layout(cfg, world_size, model_cfg.n_layer, accum, model_cfg.tie_embeddings)
+    check_layout(cfg, world_size, model_cfg.n_layer, accum)
     lr = lr * rules.global_lr_mult
     law_params, law_source = budget_params(spec, cfg, meta)
     total = int(cfg.max_tokens if cfg.max_tokens is not None else tokens_for_params(hps, law_params))
@@ -256,17 +256,27 @@ def resolved_yaml(cfg: PretrainConfig, plan: Plan, model_cfg: ModelConfig) -> st
                            "model": model_cfg.to_dict()}, sort_keys=False)
 
 
-def make_forward(cfg: PretrainConfig, eos_id: Optional[int], return_hidden: bool = False) -> Callable:
+class ModelForward:
     """model, inputs -> logits (or (hidden, head weight) for a chunked loss); with --varlen the documents (from
-    EOS) mask attention and reset Mamba states."""
-    if not cfg.varlen:
-        return lambda model, x: model(x, return_hidden=return_hidden)
+    EOS) mask attention and reset Mamba states. `model_kwargs(inputs)` are those document inputs alone (a
+    pipeline hands them to every stage)."""
 
-    def forward(model, x):
-        docs = document_ids(x, eos_id)
-        return model(x, doc_ids=docs, position_ids=document_positions(docs) if cfg.reset_position_ids else None,
-                     return_hidden=return_hidden)
-    return forward
+    def __init__(self, varlen: bool, eos_id: Optional[int], reset_positions: bool, return_hidden: bool):
+        self.varlen, self.eos_id, self.reset_positions = varlen, eos_id, reset_positions
+        self.return_hidden = return_hidden
+
+    def model_kwargs(self, x: torch.Tensor) -> dict:
+        if not self.varlen:
+            return {}
+        docs = document_ids(x, self.eos_id)
+        return {"doc_ids": docs, "position_ids": document_positions(docs) if self.reset_positions else None}
+
+    def __call__(self, model, x: torch.Tensor):
+        return model(x, **self.model_kwargs(x), return_hidden=self.return_hidden)
+
+
+def make_forward(cfg: PretrainConfig, eos_id: Optional[int], return_hidden: bool = False) -> ModelForward:
+    return ModelForward(cfg.varlen, eos_id, cfg.reset_position_ids, return_hidden)
 
 
 def check_token_range(batch: torch.Tensor, vocab_size: int, data_dir: str) -> None:
