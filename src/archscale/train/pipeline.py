@@ -35,7 +35,7 @@ from archscale.models.mixers import ForwardContext
 from archscale.models.model import GPT, output_head
 from archscale.train.parallel_layout import ParallelLayout, stages_per_rank
 from archscale.train.parallelize import apply_act_ckpt, apply_compile, apply_fsdp
-from archscale.train.strategy import CLIP_NORM, OptimizerSpec, Strategy, StepOutcome, register
+from archscale.train.strategy import CLIP_NORM, OptimizerSpec, Strategy, StepOutcome, read_together, register
 
 
 
@@ -420,7 +420,7 @@ class PipelineStrategy(Strategy):
         return pipe.shard.wte.weight if pipe.has_first else pipe.shard.lm_head.weight
 
     @torch.no_grad()
-    def clip_and_step(self, apply: bool = True) -> StepOutcome:
+    def clip_and_step(self, apply: bool = True, loss: Optional[torch.Tensor] = None) -> StepOutcome:
         pipe, opt = self.pipe, self.optimizer
         params = [p for p in self.model.parameters() if p.grad is not None]
         grads = [_local(p.grad) for p in params]  # under FSDP2 each rank's shard of every gradient
@@ -441,7 +441,8 @@ class PipelineStrategy(Strategy):
         if self.sharded:
             dist.all_reduce(squared, group=self.layout.group("dp_shard"))  # and the shards disjoint pieces
         total = squared.sqrt().float()
-        grad_norm = float(total)
+        grad_norm, loss_value = read_together(total, loss)  # the step's one host sync
+        apply = apply and math.isfinite(loss_value)
         finite = math.isfinite(grad_norm)
         if apply and finite:
             if grads:  # clip_grads_with_norm_'s own arithmetic, on the local shards
@@ -449,7 +450,7 @@ class PipelineStrategy(Strategy):
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
             opt.step()
         opt.zero_grad(set_to_none=True)
-        return StepOutcome(grad_norm, applied=apply and finite)
+        return StepOutcome(grad_norm, applied=apply and finite, train_loss=loss_value if loss is not None else math.nan)
 
     def describe(self) -> str:
         p = self.pipe

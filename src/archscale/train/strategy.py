@@ -13,9 +13,11 @@ The trainer's step is the same for every strategy:
         with strategy.no_sync(micro):
             loss = loss_of(strategy.model, batch)
             strategy.backward(loss, micro)
-    outcome = strategy.clip_and_step(apply=...)   # global-norm clip at 1.0, then the update (or not)
+    outcome = strategy.clip_and_step(loss=mean_loss)   # global-norm clip at 1.0, then the update (or not)
 
-`apply=False` (a non-finite loss) makes the torch strategies drop the step's gradients without an update. Every
+The step's mean loss (a device tensor) and the gradient norm are read together, in ONE host sync per optimizer
+step (`read_together`); a non-finite loss or norm makes the torch strategies drop the step's gradients without an
+update (the non-finite guard). Every
 strategy reports whether the update happened: DeepSpeed's engine decides that itself (ZeRO and its bf16/fp16
 optimizers skip a step whose gradient norm is not finite; `deepspeed_engine.build_engine` gives ZeRO-0 in fp32 the
 same skip). `state_dict_target()` is what checkpoints save and load.
@@ -48,6 +50,17 @@ class StepOutcome:
     grad_norm: float  # global gradient norm before clipping (inf/nan when the gradients were not finite)
     applied: bool  # the optimizer update happened
     overflow: bool = False  # an fp16 loss scaler skipped the update (normal: it lowers the scale and goes on)
+    train_loss: float = math.nan  # the step's mean loss as given to clip_and_step (nan when none was)
+
+
+def read_together(norm: torch.Tensor, loss: Optional[torch.Tensor]) -> tuple[float, float]:
+    """(gradient norm, loss) on the host in one read: the step's only host sync. `loss` None reads as 0.0."""
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    parts = [norm.detach().double().reshape(())]
+    if loss is not None:
+        parts.append(loss.detach().double().reshape(()).to(parts[0].device))
+    values = torch.stack(parts).tolist()
+    return values[0], (values[1] if loss is not None else 0.0)
 
 
 
@@ -183,7 +196,8 @@ class Strategy:
         loss = loss / self.accum
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def clip_and_step(self, apply: bool = True) -> StepOutcome:
+    def clip_and_step(self, apply: bool = True, loss: Optional[torch.Tensor] = None) -> StepOutcome:
+        """Clip to the global norm, then update unless `apply` is False or the loss or the norm is not finite."""
         opt, scaler = self.optimizer, self.scaler
         if scaler is not None:
             scaler.unscale_(opt)
@@ -191,7 +205,8 @@ class Strategy:
             norm = self.experts.clip(self.model, CLIP_NORM)
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP_NORM)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        grad_norm, loss_value = read_together(norm, loss)  # clipping itself needs no host value
+        apply = apply and math.isfinite(loss_value)
         finite = math.isfinite(grad_norm)
         if scaler is not None:
             if apply:
@@ -200,7 +215,8 @@ class Strategy:
         elif apply and finite:
             opt.step()
         opt.zero_grad(set_to_none=True)
-        return StepOutcome(grad_norm, applied=apply and finite, overflow=scaler is not None and apply and not finite)
+        return StepOutcome(grad_norm, applied=apply and finite, overflow=scaler is not None and apply and not finite,
+                           train_loss=loss_value if loss is not None else math.nan)
 
     def loss_scale(self) -> Optional[float]:
         return float(self.scaler.get_scale()) if self.scaler is not None else None
@@ -267,8 +283,8 @@ class DDPStrategy(Strategy):
     def no_sync(self, micro: int):
         return self.model.no_sync() if micro < self.accum - 1 else nullcontext()
 
-    def clip_and_step(self, apply: bool = True) -> StepOutcome:
-        outcome = super().clip_and_step(apply)
+    def clip_and_step(self, apply: bool = True, loss: Optional[torch.Tensor] = None) -> StepOutcome:
+        outcome = super().clip_and_step(apply, loss)
         if self.comm is not None:
             if not outcome.applied:
                 self.comm.drop_nonfinite()
@@ -324,7 +340,7 @@ class DeepSpeedStrategy(Strategy):
         if micro < self.accum - 1:
             self.engine.step()  # inside the accumulation window: counts the micro-batch, updates nothing
 
-    def clip_and_step(self, apply: bool = True) -> StepOutcome:
+    def clip_and_step(self, apply: bool = True, loss: Optional[torch.Tensor] = None) -> StepOutcome:
         # The boundary step. A non-finite loss has non-finite gradients, which the engine's overflow check
         # refuses; the trainer stops if an update was applied anyway (`applied` with a non-finite norm).
         own_norm = None
@@ -335,7 +351,8 @@ class DeepSpeedStrategy(Strategy):
         reported = self.engine.get_global_grad_norm()
         grad_norm = float(reported if reported is not None else own_norm or 0.0)
         applied = bool(self.engine.was_step_applied())
-        return StepOutcome(grad_norm, applied=applied, overflow=not applied and self.engine.fp16_enabled())
+        return StepOutcome(grad_norm, applied=applied, overflow=not applied and self.engine.fp16_enabled(),
+                           train_loss=float(loss) if loss is not None else math.nan)
 
     def loss_scale(self) -> Optional[float]:
         from archscale.train.deepspeed_engine import loss_scale

@@ -26,7 +26,7 @@ import yaml
 
 from archscale.config import LAYOUTS, ModelConfig, arch_preset, resolve_layout
 from archscale.layout import LayoutSpec, layer_label
-from archscale.data.loader import GlobalOrderLoader, load_mixture, read_manifest, validation_batches
+from archscale.data.loader import GlobalOrderLoader, load_mixture, prefetching, read_manifest, validation_batches
 from archscale.data.synthetic import SyntheticLoader, synthetic_kind, synthetic_validation_batches
 from archscale.errors import NonFiniteError, UserError
 from archscale.models.model import GPT
@@ -620,6 +620,7 @@ class Trainer:
             self.loader = GlobalOrderLoader(cfg.train_data_dir, mixture, block_size=block, micro_bsz=cfg.micro_bsz,
                                             seed=cfg.seed, rank=self.data_rank, world_size=self.data_world,
                                             num_workers=cfg.num_workers)
+        self.loader = prefetching(self.loader, env.device)  # CUDA: read ahead on a thread, into pinned memory
         eos_id = varlen_eos_id(cfg)
         self.loss_fn = select_loss(cfg.loss, self.model_cfg.vocab_size,  # --loss
                                    zero3=self.strategy.head_only_in_forward)
@@ -689,6 +690,8 @@ class Trainer:
                  f"{env.device.type}; peak {self.peak / 1e9:,.0f} GFLOP/s per process ({peak_src})")
 
     def close(self) -> None:
+        if hasattr(getattr(self, "loader", None), "close"):  # the prefetch thread
+            self.loader.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -716,8 +719,10 @@ class Trainer:
 
         loss_sum = strategy.run_micro_batches(micro_batches(), self.forward, self.loss_fn, cfg.label_smoothing,
                                               self.autocast)
-        train_loss = self.env.mean(loss_sum.double() / plan.grad_accum)  # the global batch's, on every rank
-        outcome = strategy.clip_and_step(apply=math.isfinite(train_loss))  # the guard: see _on_nonfinite
+        mean_loss = self.env.mean_tensor(loss_sum.double() / plan.grad_accum)  # the global batch's, on every rank
+        # the guard (see _on_nonfinite): no update unless loss and gradient norm are finite, both read in one sync
+        outcome = strategy.clip_and_step(loss=mean_loss)
+        train_loss = outcome.train_loss
         state.step += 1
         state.tokens += plan.batch_tokens
         return StepResult(lr=lr, train_loss=train_loss, grad_norm=outcome.grad_norm, applied=outcome.applied,
