@@ -7,6 +7,9 @@ Rows (bf16 autocast, AdamW, fp32 master weights; random tokens; weights random):
   rate measured on this machine (a bf16 8192^3 matmul);
 - varlen: transformer d16 training at 32K positions, documents (lengths 64..8K) vs plain causal;
 - decode: tokens/s of SambaY d16 vs Transformer++ d16 after 16K and 32K prompts (prefill timed apart);
+- step: the trainer's own optimizer step (`Trainer.train_step`, bf16-mixed, batches prefetched into pinned memory
+  on a background thread) of transformer d16 at ctx 4096: seconds per step, tokens/s and the host syncs per step
+  (reads of CUDA tensors, train/host_sync.py: the step path is meant to need one); benchmarks/step_time.py;
 - peak memory (torch.cuda.max_memory_allocated) of each row, and for training rows the memory model's prediction
   for it (`archscale.train.memory_model`, the dry run's "memory" section, at allocator factor 1: allocated, not
   reserved) with predicted / measured (the compiled rows fuse activations the eager prediction counts).
@@ -164,6 +167,17 @@ def measure_matmul(dry):
     return dict(tflops=2 * n**3 * iters / (time.perf_counter() - t0) / 1e12)
 
 
+def measure_step(size, dry):
+    """The trainer's step (benchmarks/step_time.py) at this size: seconds, tokens/s, host syncs per step."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from step_time import step_times
+
+    r = step_times(size["depth"], size["ctx"], size["bsz"], accum=2, steps=size["steps"], warmup=2,
+                   extra=("--precision", "bf16-mixed") if not dry else ())
+    return dict(step_s=r["median_step_s"], tokens_per_s=r["tokens_per_step"] / r["median_step_s"],
+                host_syncs_per_step=r["host_reads_per_step"])
+
+
 def rows_for(size):
     rows = [("matmul", "measure_matmul", {})]
     # sambay compiled goes last: compiling its PyTorch Mamba scan is the row most likely to run out of time
@@ -176,6 +190,7 @@ def rows_for(size):
     for n in size["prompts"]:
         for arch in ("transformer", "sambay"):
             rows.append((f"decode {arch} d{size['depth']} prompt {n}", "measure_decode", dict(arch=arch, prompt_len=n)))
+    rows.append((f"step transformer d{size['depth']} ctx{size['ctx']} trainer", "measure_step", {}))
     rows.append((f"train sambay d{size['depth']} ctx{size['ctx']} compiled", "measure_train",
                  dict(arch="sambay", compiled=True)))
     return rows
@@ -187,6 +202,8 @@ def run_row(func, kwargs, size_name):
         return measure_matmul(size_name == "dry")
     if func == "measure_train":
         return measure_train(size=size, dry=size_name == "dry", **kwargs)
+    if func == "measure_step":
+        return measure_step(size, dry=size_name == "dry")
     return measure_decode(size=size, **kwargs)
 
 
@@ -327,6 +344,8 @@ def format_table(results, matmul_tflops):
             else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         note = f"prefill {r['prefill_s']:.2f} s" if "prefill_s" in r else (f"{r['docs']} docs" if r.get("docs") else "")
+        if "step_s" in r:
+            note = f"{r['step_s'] * 1e3:.1f} ms/step, {r['host_syncs_per_step']} host sync(s)/step"
         pred = f"{r['predicted_gib']:.2f}" if r.get("predicted_gib") is not None else "-"
         ratio = f"{r['predicted_over_measured']:.2f}" if r.get("predicted_over_measured") else "-"
         lines.append(f"{name:46} {tok:12.1f} {mfu:>10} {mfu_mm:>8} {peak:>9} {pred:>9} {ratio:>9}  {note}")

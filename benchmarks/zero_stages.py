@@ -1,7 +1,7 @@
 """Where each ZeRO stage's memory goes, on CPU: DDP, FSDP2 and DeepSpeed ZeRO 0/1/2/3 on 2 and 4 processes.
 
 For each (strategy, world size) this launches `torchrun --nproc_per_node=N` on this same file in worker mode. A
-worker goes through the trainer's own code path: `parallelize()` and `build_strategy()` (so DeepSpeed gets
+worker goes through the trainer's own code path: the strategy classes' `build_model()` and `build_optimizer()` (so DeepSpeed gets
 `deepspeed_engine.ds_config`), bf16-mixed autocast, AdamW, then `--steps` optimizer steps of
 `strategy.backward` / `strategy.clip_and_step` on synthetic tokens (`data/synthetic.py`). It samples its memory:
 
@@ -160,8 +160,9 @@ def worker(a) -> None:
     from archscale.train.distributed import setup
     from archscale.train.optim import param_groups
     from archscale.scaling_rules import RoleRule
-    from archscale.train.parallelize import parallelize
-    from archscale.train.strategy import build_strategy
+    from archscale.train.config import PretrainConfig
+    from archscale.train.parallel_layout import make_layout
+    from archscale.train.strategy import OptimizerSpec, strategy_for
 
     strategy_name, stage, offload, _ = STRATEGIES[a.worker]
     env = setup(strategy_name)
@@ -171,12 +172,14 @@ def worker(a) -> None:
     base = rss_mib()
     reset_hwm()
     cfg = ModelConfig.from_arch("transformer", a.depth, ar=a.ar, vocab_size=a.vocab, block_size=a.ctx)
-    model = parallelize(GPT(cfg), env, bf16=True)
+    run = PretrainConfig(strategy=strategy_name, precision="bf16-mixed", zero_stage=stage or 0, offload=offload)
+    strategy = strategy_for(make_layout(run, env.strategy, env.world_size, env.rank, env.device), run,
+                            log=lambda msg: None)
+    model = strategy.build_model(lambda: GPT(cfg))
     groups = param_groups(model.module if hasattr(model, "module") else model, RoleRule(1.0, 0.1),
                           RoleRule(1.0, 0.0))
-    strategy, _ = build_strategy(env, model, groups, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, accum=1,
-                                 micro_bsz=a.micro_bsz, precision="bf16-mixed", zero_stage=stage or 0,
-                                 offload=offload)
+    strategy.build_optimizer(groups, OptimizerSpec(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, accum=1,
+                                                   micro_bsz=a.micro_bsz))
     env.barrier()
     build_peak, build_end = hwm_mib() - base, rss_mib() - base
     loader = SyntheticLoader("uniform", vocab_size=a.vocab, block_size=a.ctx + 1, micro_bsz=a.micro_bsz,

@@ -22,12 +22,14 @@ def test_gpu_check_dry_run(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert (tmp_path / "gpu_check.log").read_text().count("measurement") == 1  # one table
     rows = {r["name"]: r for r in report["rows"]}
-    assert len(rows) == 11 and not [n for n, r in rows.items() if "error" in r]
+    assert len(rows) == 12 and not [n for n, r in rows.items() if "error" in r]
     assert report["matmul_tflops"] > 0
     for name, r in rows.items():
         if name.startswith("train"):
             assert r["tokens_per_s"] > 0 and 0 < r["mfu_peak"] < 1 and r["loss"] > 0, name
             assert r["predicted_gib"] > 0 and r["predicted_over_measured"] is None, name  # no CUDA peak on CPU
+        elif name.startswith("step"):  # the trainer's step: on CPU every tensor read counts (none is a sync)
+            assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["host_syncs_per_step"] >= 1, name
         elif name.startswith("decode"):
             assert r["decode_tokens_per_s"] > 0 and r["prefill_s"] > 0, name
     assert rows["train transformer d4 ctx256 docs"]["docs"] > 1

@@ -91,6 +91,24 @@ def test_chained_stages_equal_the_model(cut):
             stages[1](*stages[0](idx))
 
 
+def test_chained_stages_take_the_documents():
+    """--varlen under --pp: every stage gets doc_ids / position_ids as keyword inputs and runs GPT's own context
+    set-up, so the chained stages give the model's document-masked logits; without them they differ."""
+    from archscale.models.varlen import document_ids, document_positions
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig.from_arch("transformer", 4, ar=8, vocab_size=64, block_size=16))
+    idx = torch.randint(1, 64, (2, 16))
+    idx[:, 5] = 0
+    docs = document_ids(idx, 0)
+    kw = {"doc_ids": docs, "position_ids": document_positions(docs)}
+    ref = model(idx, **kw)
+    stages, _ = make_stages(model, stage_layers(4, 2), [0, 1])
+    out = stages[1](*stages[0](idx, **kw), **kw)[0]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    assert (stages[1](*stages[0](idx))[0] - ref).abs().max() > 1e-3  # the documents matter
+
+
 def _dry(args, world=1):
     from archscale.cli import parse_pretrain
     from archscale.train.trainer import dry_run_summary
@@ -112,9 +130,8 @@ def test_dry_run_shows_the_cut_and_refuses_bad_combinations():
     bad = {"needs at least 16 blocks": (["--pp", "8", "--pp_schedule", "interleaved1f1b"], 8),
            "must divide the number of processes": (["--pp", "2"], 3),
            "does not combine with --strategy deepspeed": (["--pp", "2", "--strategy", "deepspeed"], 2),
-           "does not combine with --strategy fsdp": (["--pp", "2", "--strategy", "fsdp"], 2),
            "does not combine with --ep": (["--pp", "2", "--moe", "4:2", "--ep", "2"], 2),
-           "does not combine with tied embeddings": (["--pp", "2", "--tie_embeddings"], 2),
+           "does not combine with --precision fp16-mixed": (["--pp", "2", "--precision", "fp16-mixed"], 2),
            "does not combine with --grad_compression": (["--pp", "2", "--strategy", "ddp", "--grad_compression",
                                                          "fp16"], 2),
            "1f1b needs at least --pp 4 micro-batches": (["--pp", "4", "--micro_bsz", "4"], 4),
@@ -123,6 +140,11 @@ def test_dry_run_shows_the_cut_and_refuses_bad_combinations():
     for message, (extra, world) in bad.items():
         with pytest.raises(UserError, match=message.replace("(", r"\(")):
             _dry([*base, *extra], world=world)
+    # the lifted refusals: the stages run the model's own forward (documents, tied weights, any length), and
+    # FSDP2 shards each stage over the dp_shard ranks
+    for extra, world in ((["--strategy", "fsdp"], 4), (["--tie_embeddings"], 2), (["--varlen"], 2),
+                         (["--curriculum", "seqlen:start=8,steps=2"], 2)):
+        assert _dry([*base, "--pp", "2", *extra], world=world)["pipeline"]["stages"]
 
 
 def test_pipeline_checkpoints_key_optimizer_state_by_name(tmp_path):
@@ -233,3 +255,64 @@ def test_four_process_pipelines_and_2d_mesh_match_single_process(data, singles, 
     assert "pipeline 2 ranks x 1 stage(s), 1f1b, data parallel 2" in out
     for name, (arch, _) in runs.items():
         _check(tmp_path / name, singles / arch)
+
+
+# ------------------------------------------------------------- the lifted refusals, under torchrun
+def eos_dataset(path):
+    """make_dataset's pattern with an EOS (0) every 11 tokens: documents of 10 tokens for --varlen."""
+    import json
+
+    import numpy as np
+
+    from archscale.data.format import write_shard
+
+    path.mkdir(parents=True, exist_ok=True)
+    stream = np.tile(np.random.default_rng(0).integers(1, 256, size=500), 40)
+    stream[::11] = 0
+    for i in range(3):
+        write_shard(path / f"train_{i:010d}.bin", stream[i * 6000:(i + 1) * 6000], np.uint16)
+    write_shard(path / "validation_0000000000.bin", stream[:3000], np.uint16)
+    (path / "manifest.json").write_text(json.dumps({"vocab_size": 256, "eos_id": 0, "dtype": "uint16"}))
+    return path
+
+
+LIFTED = {"tied": ["--tie_embeddings"], "varlen": ["--varlen", "--reset_position_ids"],
+          "curriculum": ["--curriculum", "seqlen:start=8,steps=3"]}
+
+
+@pytest.fixture(scope="module")
+def lifted_singles(data, tmp_path_factory):
+    """One process of each lifted combination; the --varlen runs read documents (EOS every 11 tokens)."""
+    root = tmp_path_factory.mktemp("pp_lifted")
+    docs = eos_dataset(root / "docs")
+    for name, extra in {**LIFTED, "plain_docs": []}.items():
+        source = docs if name in ("varlen", "plain_docs") else data
+        assert main(["pretrain", *tiny_args(source, root / name, "transformer", *extra)]) == 0
+    return root
+
+
+@pytest.mark.slow
+def test_pipeline_with_tied_embeddings_varlen_and_curriculum_matches_single_process(data, lifted_singles, tmp_path):
+    """pp 2 on 2 gloo processes, each against its own single-process run (1e-5 relative): tied embeddings (the
+    embedding's and the head's gradients summed between the two ends, so both copies stay equal), --varlen with
+    per-document positions (every stage gets the documents), a sequence-length curriculum (8 -> 32 tokens: a
+    schedule per length). The varlen reference itself differs from the same data without documents."""
+    docs = lifted_singles / "docs"
+    runs = {name: tiny_args(docs if name == "varlen" else data, tmp_path / name, "transformer", "--pp", "2", *extra)
+            for name, extra in LIFTED.items()}
+    out = torchrun(*driver(tmp_path, list(runs.values())))
+    assert "tied embeddings" in out
+    for name in LIFTED:
+        _check(tmp_path / name, lifted_singles / name)
+    masked, plain = losses(lifted_singles / "varlen"), losses(lifted_singles / "plain_docs")
+    assert any(abs(a - b) > 1e-3 for (_, a), (_, b) in zip(masked, plain))  # the documents did change training
+
+
+@pytest.mark.slow
+def test_pipeline_by_fsdp2_on_a_2d_mesh_matches_single_process(data, singles, tmp_path):
+    """4 gloo processes: pp 2 x dp_shard 2 (FSDP2 shards every stage over the two data ranks; torch's
+    PipelineStage drives its gradient reduce-scatter), 1F1B, against the single process (1e-5 relative)."""
+    args = tiny_args(data, tmp_path / "pp2_fsdp2", "transformer", "--pp", "2", "--strategy", "fsdp")
+    out = torchrun(*driver(tmp_path, [args]), nproc=4)
+    assert "FSDP2 over 2" in out
+    _check(tmp_path / "pp2_fsdp2", singles / "transformer")

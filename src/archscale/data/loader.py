@@ -40,9 +40,11 @@ import hashlib
 import json
 import math
 import os
+import queue
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -583,3 +585,70 @@ def _validation_iter(files: list[Path], counts: np.ndarray, block_size: int, mic
             batch[i] = mm[k * block_size:(k + 1) * block_size]
         taken += n
         yield torch.from_numpy(batch)
+
+class Prefetcher:
+    """Batches of `loader` read ahead on a background thread, `prepare`d there (on CUDA: copied into pinned
+    memory, so that the trainer's `.to(device, non_blocking=True)` is a real asynchronous copy), handed out in
+    the loader's own order. `state_dict()` is the loader's state after the last batch handed out (not after the
+    ones read ahead), so a checkpoint resumes with exactly the next batch; an error of the loader is raised by
+    the `next()` that would have returned its batch."""
+
+    def __init__(self, loader, prepare: Callable[[torch.Tensor], torch.Tensor] = lambda batch: batch,
+                 depth: int = 2):
+        self.loader, self.prepare = loader, prepare
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._state = loader.state_dict()  # after the last batch handed out
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+
+    def _fill(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = (self.prepare(next(self.loader)), self.loader.state_dict(), None)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                item = (None, None, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._fill, name="archscale-prefetch", daemon=True)
+            self._thread.start()
+        batch, state, error = self._queue.get()
+        if error is not None:
+            raise error
+        self._state = state
+        return batch
+
+    def state_dict(self) -> dict:
+        return self._state
+
+    def load_state_dict(self, sd) -> None:
+        if self._thread is not None:
+            raise RuntimeError("Prefetcher.load_state_dict after batches were read ahead")
+        self.loader.load_state_dict(sd)
+        self._state = self.loader.state_dict()
+
+    def close(self) -> None:
+        """Stop the reader thread (it exits after its current batch)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+def prefetching(loader, device: torch.device, pin: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+    """The trainer's batch source: on CUDA a `Prefetcher` into pinned memory (`pin`, default
+    `Tensor.pin_memory`; a test injects its own), elsewhere `loader` itself (a CPU batch needs no copy)."""
+    if device.type != "cuda":
+        return loader
+    return Prefetcher(loader, prepare=pin or (lambda batch: batch.pin_memory()))

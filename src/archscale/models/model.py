@@ -56,29 +56,13 @@ class GPT(nn.Module):
         state resets); `position_ids` (B, T), each < T, gives RoPE positions (default: 0..T-1, ArchScale's behaviour;
         `models/varlen.document_positions` gives per-document positions).
         """
-        B, T = idx.shape
+        T = idx.shape[1]
         pos = cache.pos if cache is not None else 0
         if cache is not None and (doc_ids is not None or position_ids is not None):
             raise ValueError("doc_ids / position_ids are for training-style forwards, not cached decoding")
-        cos = sin = None
-        if self.config.uses_rope:
-            if position_ids is not None:
-                cos, sin = self.rope(T, idx.device)  # positions inside documents are < T (no host sync)
-                cos, sin = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # (B, T, 1, hd/2)
-            else:
-                cos, sin = self.rope(pos + T, idx.device)
-                cos, sin = cos[pos:].unsqueeze(1), sin[pos:].unsqueeze(1)  # (T, 1, hd/2)
-        ctx = ForwardContext(pos=pos, cos=cos, sin=sin, cache=cache, doc_ids=doc_ids)
-        x = self.wte(idx).float()
-        for i, block in enumerate(self.blocks):
-            if last_only and i == self.cross_start and x.shape[1] > 1:
-                x = x[:, -1:]
-                ctx.pos = pos + T - 1
-                if ctx.memory is not None:
-                    ctx.memory = ctx.memory[:, -1:]
-                if cos is not None:
-                    ctx.cos, ctx.sin = cos[-1:], sin[-1:]
-            x = block(x, ctx)
+        ctx = self.context(T, idx.device, pos=pos, cache=cache, doc_ids=doc_ids, position_ids=position_ids)
+        x = self.embed(idx)
+        x = self.run_blocks(x, ctx, enumerate(self.blocks), cross_start=self.cross_start if last_only else None)
         # the weighted training losses layers added (a mixture of experts' load balancing); the trainer adds it
         self.aux_loss = sum(ctx.aux_losses) if ctx.aux_losses else None
         if last_only:
@@ -86,6 +70,40 @@ class GPT(nn.Module):
         if cache is not None:
             cache.pos = pos + T
         return output_head(self.config, self.ln_f, self.lm_head, x, return_hidden)
+
+    # The forward's pieces, in order; a pipeline stage (train/pipeline.py) runs the same ones on its part.
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> the fp32 residual stream (B, T, n_embd)."""
+        return self.wte(idx).float()
+
+    def context(self, T: int, device: torch.device, pos: int = 0, cache: InferenceCache | None = None,
+                doc_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> ForwardContext:
+        """What every block reads besides the residual stream: RoPE tables for positions pos..pos+T-1 (or
+        `position_ids`), the cache, the documents. Needs no weights, so any pipeline stage builds its own."""
+        cos = sin = None
+        if self.config.uses_rope:
+            if position_ids is not None:
+                cos, sin = self.rope(T, device)  # positions inside documents are < T (no host sync)
+                cos, sin = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # (B, T, 1, hd/2)
+            else:
+                cos, sin = self.rope(pos + T, device)
+                cos, sin = cos[pos:].unsqueeze(1), sin[pos:].unsqueeze(1)  # (T, 1, hd/2)
+        return ForwardContext(pos=pos, cos=cos, sin=sin, cache=cache, doc_ids=doc_ids)
+
+    @staticmethod
+    def run_blocks(x: torch.Tensor, ctx: ForwardContext, blocks, cross_start: int | None = None) -> torch.Tensor:
+        """`blocks` ((index, block) pairs) over x. With `cross_start` (decoding's `last_only`), the cross-decoder
+        from that layer on sees only the last position (YOCO's linear-time prefill)."""
+        for i, block in blocks:
+            if i == cross_start and x.shape[1] > 1:
+                ctx.pos = ctx.pos + x.shape[1] - 1
+                x = x[:, -1:]
+                if ctx.memory is not None:
+                    ctx.memory = ctx.memory[:, -1:]
+                if ctx.cos is not None:
+                    ctx.cos, ctx.sin = ctx.cos[-1:], ctx.sin[-1:]
+            x = block(x, ctx)
+        return x
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, eos_id: int | None = None,

@@ -51,11 +51,15 @@ class DistEnv:
 
     def mean(self, value: torch.Tensor | float) -> float:
         """Average of a scalar over ranks (every rank gets it)."""
+        return float(self.mean_tensor(value))
+
+    def mean_tensor(self, value: torch.Tensor | float) -> torch.Tensor:
+        """The same average, left on the device: no host sync (the step reads it with the gradient norm)."""
         t = torch.as_tensor(value, dtype=torch.float64, device=self.device).detach().clone()
         if self.distributed and self.world_size > 1:
             dist.all_reduce(t)
             t /= self.world_size
-        return float(t)
+        return t
 
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on some rank."""

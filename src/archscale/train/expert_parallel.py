@@ -32,25 +32,20 @@ from torch.distributed.nn.functional import all_to_all_single
 from archscale.errors import UserError
 
 
-def check_ep(ep: int, world_size: int, strategy: str) -> None:
-    if ep == 1:
-        return
-    if world_size % ep:
-        raise UserError(f"--ep {ep} must divide the number of processes ({world_size}); launch with torchrun "
-                        f"--nproc_per_node a multiple of {ep}")
-    if strategy not in ("ddp", "fsdp"):
-        raise UserError(f"--ep {ep} composes with --strategy ddp or fsdp (got {strategy})")
-
-
 class ExpertParallel:
     """The process groups of `--ep N` and the expert parameters they own."""
 
-    def __init__(self, ep: int, device: torch.device):
+    def __init__(self, ep: int, device: torch.device, layout=None):
+        """`layout`: the run's ParallelLayout, whose (data dimension, ep) sub-mesh holds the experts; without it
+        (a test harness) a (replica, ep) mesh of its own."""
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size()
         self.size, self.world = ep, world
-        self.mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("replica", "ep"))
+        if layout is not None:
+            self.mesh = layout.submesh(layout.data_dim, "ep")
+        else:
+            self.mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("replica", "ep"))
         # Groups of our own for the token exchange and the expert-gradient sums: the mesh may hand out the world
         # group, on which DDP / FSDP2 run their gradient collectives during the same backward, in an order that
         # need not interleave alike on every rank (gloo needs one order per group)

@@ -1,8 +1,9 @@
-"""model -> parallelize -> trainer (torchtitan's split): memory savers, compile and data-parallel wrapping.
+"""The pieces a strategy parallelizes a model with (torchtitan's split): memory savers, compile, FSDP2.
 
 Order, per torchtitan's `parallelize_llama`: activation checkpointing (per block) -> torch.compile (per block,
 after checkpointing so the compiled graph is the checkpointed one) -> sharding (FSDP2 `fully_shard` per block,
-then the root) or DDP. DeepSpeed wraps the model itself (deepspeed_engine.py) after the first two steps.
+then the root) or DDP; each strategy class (strategy.py) applies them in `Strategy.parallelize`. DeepSpeed wraps the
+model itself (deepspeed_engine.py) after the first two steps.
 
 All three edits keep parameter names (FQNs) unchanged: checkpointing swaps a block's `forward` on the instance,
 compile uses `nn.Module.compile()` (in place), and FSDP2 swaps the class, not the module tree. So checkpoints
@@ -22,7 +23,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from archscale.train.distributed import DistEnv
 
 
 def apply_act_ckpt(model: nn.Module) -> None:
@@ -52,43 +52,25 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
         block.compile(backend=backend, fullgraph=fullgraph)
 
 
-def apply_fsdp(model: nn.Module, bf16: bool, cpu_offload: bool, ignored: frozenset = frozenset()) -> None:
-    """FSDP2: every block is its own unit (all-gathered just before use, resharded after), then the root
-    (embedding, final norm, head). `ignored` parameters (expert-parallel experts) stay as they are."""
+def apply_fsdp(model: nn.Module, bf16: bool, cpu_offload: bool, ignored: frozenset = frozenset(),
+               mesh=None, root: bool = True) -> None:
+    """FSDP2 over the 1-D `mesh` (default: every rank): every block is its own unit (all-gathered just before
+    use, resharded after), then the root (embedding, final norm, head; `root=False` leaves the root alone, for a
+    pipeline stage that shards its pieces itself). `ignored` parameters (expert-parallel experts) stay as they
+    are."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     skip = dict(ignored_params=set(ignored)) if ignored else {}
-    for block in model.blocks:
+    if mesh is not None:
+        skip["mesh"] = mesh
+    blocks = model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks
+    for block in blocks:
         fully_shard(block, mp_policy=mp, offload_policy=offload, **skip)
-    fully_shard(model, mp_policy=mp, offload_policy=offload, **skip)
-
-
-def parallelize(model: nn.Module, env: DistEnv, *, act_ckpt: bool = False, compile: bool = False,
-                bf16: bool = False, cpu_offload: bool = False, ignored: frozenset = frozenset()) -> nn.Module:
-    """Apply the memory savers and the strategy's wrapping; returns the module to call (DDP wraps, FSDP2 and
-    the rest work in place). DeepSpeed's engine is built afterwards by the trainer. DDP and FSDP2 leave the
-    `ignored` parameters alone (expert parallelism reduces those itself)."""
-    if act_ckpt:
-        apply_act_ckpt(model)
-    if compile:
-        apply_compile(model)
-    if env.strategy == "fsdp":
-        apply_fsdp(model, bf16=bf16, cpu_offload=cpu_offload, ignored=ignored)
-    elif env.strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        if ignored:
-            ids = {id(p) for p in ignored}
-            DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, p in model.named_parameters()
-                                                                    if id(p) in ids])
-        # gradients as views into DDP's all-reduce buckets: without it DDP keeps a second copy of every gradient
-        # (4 B/param in fp32; measured in benchmarks/zero_stages.py)
-        model = DDP(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)
-    return model
+    if root:
+        fully_shard(model, mp_policy=mp, offload_policy=offload, **skip)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

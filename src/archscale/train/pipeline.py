@@ -33,13 +33,10 @@ from archscale.config import ModelConfig
 from archscale.errors import UserError
 from archscale.models.mixers import ForwardContext
 from archscale.models.model import GPT, output_head
-from archscale.models.rope import rope_cache
-from archscale.train.strategy import CLIP_NORM, Strategy, StepOutcome
+from archscale.train.parallel_layout import ParallelLayout, stages_per_rank
+from archscale.train.parallelize import apply_act_ckpt, apply_compile, apply_fsdp
+from archscale.train.strategy import CLIP_NORM, OptimizerSpec, Strategy, StepOutcome, read_together, register
 
-
-
-def stages_per_rank(schedule: str) -> int:
-    return 2 if schedule == "interleaved1f1b" else 1
 
 
 def stage_layers(n_layer: int, n_stages: int, spec: Optional[str] = None) -> list[range]:
@@ -63,34 +60,9 @@ def _even(n: int, k: int) -> list[int]:
     return [n // k + (1 if s < n % k else 0) for s in range(k)]
 
 
-def check_pp(cfg, n_layer: int, world_size: int, microbatches: int, tie: bool) -> None:
-    """Every combination `--pp` does not support, as one-line errors (the dry run calls this too)."""
-    pp, sched = cfg.pp, cfg.pp_schedule  # >= 1 and a known schedule (train/config.validate)
-    if pp == 1:
-        if cfg.pp_layers:
-            raise UserError("--pp_layers cuts a pipeline: add --pp N")
-        return
-    stages = pp * stages_per_rank(sched)
-    if world_size % pp:
-        raise UserError(f"--pp {pp} must divide the number of processes ({world_size}); launch with torchrun "
-                        f"--nproc_per_node a multiple of {pp}")
-    if stages > n_layer:
-        raise UserError(f"--pp {pp} ({sched}: {stages} stages) needs at least {stages} blocks; the model has "
-                        f"{n_layer} (raise --depth or lower --pp)")
-    unsupported = [("--strategy " + cfg.strategy, cfg.strategy not in ("auto", "ddp")), ("--ep", cfg.ep > 1),
-                   ("tied embeddings", tie), ("--varlen", cfg.varlen), ("--curriculum", cfg.curriculum != "none"),
-                   ("--precision fp16-mixed", cfg.precision == "fp16-mixed"), ("--fsdp_save_mem", cfg.fsdp_save_mem),
-                   ("--grad_compression", (cfg.grad_compression or "none") != "none")]
-    for what, bad in unsupported:
-        if bad:
-            raise UserError(f"--pp {pp} does not combine with {what} (pipeline stages run with plain data "
-                            "parallelism over the other ranks: --strategy auto or ddp)")
-    if sched == "1f1b" and microbatches < pp:
-        raise UserError(f"--pp_schedule 1f1b needs at least --pp {pp} micro-batches per step (this run has "
-                        f"{microbatches}: lower --micro_bsz or raise --base_hps.b0)")
-    if sched == "interleaved1f1b" and microbatches % max(1, microbatches // pp):
-        raise UserError(f"--pp_schedule interleaved1f1b: {microbatches} micro-batches per step must be a multiple "
-                        f"of {max(1, microbatches // pp)} (micro-batches // pp); change --micro_bsz or --base_hps.b0")
+def pipeline_section(cfg, n_layer: int, microbatches: int) -> dict:
+    """The dry run's {"pipeline": ...} section ({} without --pp)."""
+    return {"pipeline": pipeline_summary(cfg, n_layer, microbatches)} if cfg.pp > 1 else {}
 
 
 def pipeline_summary(cfg, n_layer: int, microbatches: int) -> dict:
@@ -192,9 +164,14 @@ class _ContiguousGrad(torch.autograd.Function):
 
 class StageModule(nn.Module):
     """Some of the model's modules under their model names (wte, blocks.<i>, ln_f, lm_head). As a stage it
-    runs its blocks: ids -> (x, *context) on the first stage, (x, *context) -> (x, *context) in between, and
-    -> (logits or scaled hidden state, [aux loss]) on the last. As a rank's shard (all its stages' modules) it is
-    what the optimizer and the checkpoints see."""
+    runs its blocks with GPT's own forward pieces (`GPT.embed`, `GPT.context`, `GPT.run_blocks`, `output_head`):
+    ids -> (x, *context) on the first stage, (x, *context) -> (x, *context) in between, and -> (logits or scaled
+    hidden state, [aux loss]) on the last. Every stage gets the documents (`doc_ids`, `position_ids`: --varlen)
+    as keyword inputs of the schedule. As a rank's shard (all its stages' modules) it is what the optimizer and
+    the checkpoints see."""
+
+    # the model's own code, run on this stage's modules (each needs only the attributes the stage has)
+    embed, context, rope, run_blocks = GPT.embed, GPT.context, GPT.rope, staticmethod(GPT.run_blocks)
 
     def __init__(self, config: ModelConfig, blocks: dict[int, nn.Module], wte=None, ln_f=None, lm_head=None,
                  carry_in: tuple = (), carry_out: tuple = (), return_hidden: bool = False):
@@ -218,28 +195,16 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return hasattr(self, "lm_head")
 
-    def rope(self, T: int, device: torch.device):
-        """GPT.rope's tables for positions 0..T-1 (same call, same values), shaped as GPT.forward shapes them."""
-        cfg = self.config
-        if not cfg.uses_rope:
-            return None, None
-        if self._rope is None or self._rope[0].shape[0] < T or self._rope[0].device != device:
-            self._rope = rope_cache(max(T, cfg.block_size), cfg.rotary_dim or cfg.head_size, cfg.rope_base,
-                                    device=device, linear_scaling=cfg.rope_scaling)
-        cos, sin = self._rope
-        return cos[:T].unsqueeze(1), sin[:T].unsqueeze(1)
-
-    def forward(self, *inputs: torch.Tensor):
+    def forward(self, *inputs: torch.Tensor, doc_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None):
         with self.autocast():
             if self.is_first:
-                x, rest = self.wte(inputs[0]).float(), ()
+                x, rest = self.embed(inputs[0]), ()
             else:
                 x, *rest = (_ContiguousGrad.apply(t) if t.requires_grad else t for t in inputs)
-            cos, sin = self.rope(x.shape[1], x.device)
-            ctx = ForwardContext(pos=0, cos=cos, sin=sin)
+            ctx = self.context(x.shape[1], x.device, doc_ids=doc_ids, position_ids=position_ids)
             unpack(ctx, self.carry_in, rest)
-            for block in self.blocks.values():
-                x = block(x, ctx)
+            x = self.run_blocks(x, ctx, ((int(i), b) for i, b in self.blocks.items()))
             if not self.is_last:
                 return (x.contiguous(), *pack(ctx, self.carry_out))
             out = output_head(self.config, self.ln_f, self.lm_head, x, return_hidden=self.return_hidden)
@@ -256,11 +221,12 @@ class Pipeline:
     stage_ids: list[int]
     n_stages: int
     pp: int
-    dp: int
+    dp: int  # replicas that average their gradients here (dp_replicate; FSDP2 reduces over dp_shard itself)
     pp_rank: int
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     cut: list[range]
+    tie_group: Optional[dist.ProcessGroup] = None  # tied embeddings: this pipeline's first and last stage ranks
 
     @property
     def has_first(self) -> bool:
@@ -271,20 +237,29 @@ class Pipeline:
         return self.stage_ids[-1] == self.n_stages - 1
 
 
-def build_pipeline(model: GPT, cfg, env, return_hidden: bool) -> Pipeline:
+def build_pipeline(model: GPT, layout: ParallelLayout, pp_layers: Optional[str], return_hidden: bool) -> Pipeline:
     """Cut the full `model` (built identically on every rank) into stages and keep this rank's. The caller
     drops `model` afterwards, which frees the other stages' blocks."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    pp, world = cfg.pp, env.world_size
-    mesh = init_device_mesh(env.device.type, (world // pp, pp), mesh_dim_names=("dp", "pp"))
-    pp_rank = env.rank % pp
-    n_stages = pp * stages_per_rank(cfg.pp_schedule)
-    cut = stage_layers(model.config.n_layer, n_stages, cfg.pp_layers)
+    pp, pp_rank = layout.pp, layout.coords["pp"]
+    n_stages = pp * stages_per_rank(layout.pp_schedule)
+    cut = stage_layers(model.config.n_layer, n_stages, pp_layers)
     ids = list(range(pp_rank, n_stages, pp))  # interleaved: stages r, r + pp (torch's looped assignment)
     stages, shard = make_stages(model, cut, ids, return_hidden)
-    return Pipeline(shard=shard, stages=stages, stage_ids=ids, n_stages=n_stages, pp=pp, dp=world // pp,
-                    pp_rank=pp_rank, pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), cut=cut)
+    tie = _tie_group(layout, ids[0] == 0 or ids[-1] == n_stages - 1) if model.config.tie_embeddings else None
+    return Pipeline(shard=shard, stages=stages, stage_ids=ids, n_stages=n_stages, pp=pp, dp=layout.dp_replicate,
+                    pp_rank=pp_rank, pp_group=layout.group("pp"), dp_group=layout.group("dp_replicate"), cut=cut,
+                    tie_group=tie)
+
+
+def _tie_group(layout: ParallelLayout, holds_an_end: bool) -> Optional[dist.ProcessGroup]:
+    """The group of this pipeline's first and last stage ranks (pipeline ranks 0 and pp-1; interleaved: the
+    same two), which hold the one tied embedding / head weight: every rank creates every pipeline's group."""
+    mine = None
+    for pipeline in layout.build_mesh().mesh.reshape(-1, layout.pp).tolist():  # one row per pipeline
+        group = dist.new_group([pipeline[0], pipeline[-1]])
+        if layout.rank in pipeline and holds_an_end:
+            mine = group
+    return mine
 
 
 def make_stages(model: GPT, cut: list[range], ids: list[int],
@@ -326,20 +301,51 @@ def _as_tuple(output) -> tuple:
     return tuple(output) if isinstance(output, (tuple, list)) else (output,)
 
 
+@register
 class PipelineStrategy(Strategy):
     """`--pp N`: this rank runs its stages under the schedule; the step's micro-batches are the pipeline's."""
 
     name = "pipeline"
     flat_optimizer_state = True  # optimizer state keyed by parameter name: stages hold different parameters
 
-    def __init__(self, pipe: Pipeline, optimizer: torch.optim.Optimizer, accum: int, schedule: str,
-                 device: torch.device):
-        super().__init__(pipe.shard, optimizer, accum)
-        self.pipe, self.schedule_name, self.device = pipe, schedule, device
-        self.schedule = make_schedule(pipe, schedule, accum, self._train_loss, device)
-        self.eval_schedule = make_schedule(pipe, "gpipe", 1, self._eval_loss, device)
+    def __init__(self, layout: ParallelLayout, cfg, log: Callable[[str], None] = print):
+        super().__init__(layout, cfg, log)
+        self.schedule_name, self.device = cfg.pp_schedule, layout.device
+        self.pipe: Optional[Pipeline] = None
+        self.sharded = layout.strategy == "fsdp"  # pp x dp_shard: FSDP2 shards every stage over dp_shard
+        # the chunked loss reads the head weight outside its forward, where FSDP2 holds only a shard of it
+        self.head_only_in_forward = self.sharded
+        self._schedules: dict[tuple[bool, int], object] = {}
         self._lm: Callable = lambda out, target: None
         self._lm_of: dict[int, torch.Tensor] = {}
+
+    def build_model(self, factory: Callable[[], nn.Module]) -> nn.Module:
+        """Memory savers on the full model, then this rank's stages (FQNs unchanged)."""
+        from archscale.ops.cross_entropy import select_loss
+
+        model = factory().to(self.layout.device)
+        if self.cfg.act_ckpt:
+            apply_act_ckpt(model)
+        if self.cfg.compile:
+            apply_compile(model)
+        wants_hidden = select_loss(self.cfg.loss, model.config.vocab_size, zero3=self.head_only_in_forward).wants_hidden
+        self.pipe = build_pipeline(model, self.layout, self.cfg.pp_layers, return_hidden=wants_hidden)
+        if self.sharded:  # FSDP2 over dp_shard: each stage is a root (torch's PipelineStage drives its reduce)
+            mesh = self.layout.submesh("dp_shard")
+            for stage in self.pipe.stages:
+                apply_fsdp(stage, bf16=self.cfg.precision == "bf16-mixed", cpu_offload=False, mesh=mesh)
+        self.model = self.pipe.shard
+        return self.model
+
+    def schedule(self, train: bool, seq_len: int):
+        """The training (or validation) schedule for sequences of `seq_len`: a pipeline fixes its activation
+        shapes at its first step, so each length (--curriculum) gets schedules of its own."""
+        key = (train, seq_len)
+        if key not in self._schedules:
+            self._schedules[key] = (make_schedule(self.pipe, self.schedule_name, self.accum, self._train_loss,
+                                                  self.device) if train else
+                                    make_schedule(self.pipe, "gpipe", 1, self._eval_loss, self.device))
+        return self._schedules[key]
 
     # the last stage's loss functions; they record the language-model loss for logging
     def _train_loss(self, output: tuple, target: torch.Tensor) -> torch.Tensor:
@@ -355,8 +361,13 @@ class PipelineStrategy(Strategy):
         self._lm_of[id(loss)] = loss
         return loss
 
-    def _run(self, schedule, inputs: torch.Tensor, targets: torch.Tensor, autocast, train: bool) -> torch.Tensor:
-        """One schedule pass; the sum of the last stage's recorded losses on every rank of the pipeline group."""
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, autocast, train: bool,
+             forward: Optional[Callable] = None) -> torch.Tensor:
+        """One schedule pass; the sum of the last stage's recorded losses on every rank of the pipeline group.
+        Every stage gets the forward's keyword inputs (the documents of --varlen), split like the batch."""
+        schedule = self.schedule(train, inputs.shape[1])
+        kwargs = forward.model_kwargs(inputs) if hasattr(forward, "model_kwargs") else {}
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
         for stage in self.pipe.stages:
             stage.autocast = autocast
         # the schedule's own list of micro-batch losses (its first step also computes a loss to infer shapes)
@@ -365,9 +376,9 @@ class PipelineStrategy(Strategy):
         args = (inputs,) if self.pipe.has_first else ()
         target = targets if self.pipe.has_last else None
         if train:
-            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         else:
-            schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+            schedule.eval(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         lm = [self._lm_of[id(loss)] for loss in losses]
         self._lm_of = {}
         total = (torch.stack(lm).sum() if lm else torch.zeros(())).double().to(self.device)
@@ -377,22 +388,22 @@ class PipelineStrategy(Strategy):
     def run_micro_batches(self, batches, forward, loss_fn, label_smoothing: float, autocast) -> torch.Tensor:
         inputs, targets = zip(*batches)
         self._lm = lambda out, target: loss_fn(out, target, label_smoothing)
-        return self._run(self.schedule, torch.cat(inputs), torch.cat(targets), autocast, train=True)
+        return self._run(torch.cat(inputs), torch.cat(targets), autocast, train=True, forward=forward)
 
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor], device: torch.device, autocast, env, pad: int = 0,
                  pad_batch=None, forward=None) -> float:
-        """The mean validation token loss, as trainer.evaluate computes it (every rank gets it). No padding:
-        the forwards are collective within a pipeline only, whose ranks share their batches."""
+        """The mean validation token loss, as strategy.evaluate computes it (every rank gets it). `pad` extra
+        passes (results dropped) keep every pipeline at the same count, which FSDP2's collective forwards need."""
         last = self.pipe.stages[-1]
         hidden, last.return_hidden = last.return_hidden, False
         self.pipe.shard.eval()
         total = torch.zeros(2, dtype=torch.float64, device=device)
         try:
-            for batch in batches:
+            for i, batch in enumerate(batches + [pad_batch] * pad):
                 batch = batch.to(device)
-                loss = self._run(self.eval_schedule, batch[:, :-1], batch[:, 1:], autocast, train=False)
-                if self.pipe.has_last:  # once per pipeline: the world sum then counts every replica once
+                loss = self._run(batch[:, :-1], batch[:, 1:], autocast, train=False, forward=forward)
+                if self.pipe.has_last and i < len(batches):  # once per pipeline: the world sum then counts every replica once
                     total[0] += loss.item()
                     total[1] += batch[:, 1:].numel()
         finally:
@@ -401,30 +412,54 @@ class PipelineStrategy(Strategy):
         env.sum_(total)
         return float(total[0] / total[1].clamp_min(1))
 
+    def _tied(self) -> Optional[nn.Parameter]:
+        """This rank's copy of the tied embedding / head weight (first stage: wte, last: lm_head), or None."""
+        pipe = self.pipe
+        if pipe.tie_group is None:
+            return None
+        return pipe.shard.wte.weight if pipe.has_first else pipe.shard.lm_head.weight
+
     @torch.no_grad()
-    def clip_and_step(self, apply: bool = True) -> StepOutcome:
+    def clip_and_step(self, apply: bool = True, loss: Optional[torch.Tensor] = None) -> StepOutcome:
         pipe, opt = self.pipe, self.optimizer
         params = [p for p in self.model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [_local(p.grad) for p in params]  # under FSDP2 each rank's shard of every gradient
         if pipe.dp > 1 and grads:  # data-parallel mean, one all-reduce for the whole shard
             flat = torch.cat([g.flatten() for g in grads])
             dist.all_reduce(flat, group=pipe.dp_group)
             flat /= pipe.dp
             for g, f in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(f.view_as(g))
-        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        tied = self._tied()
+        if tied is not None and tied.grad is not None:
+            # the embedding's and the head's gradient summed on both ends: the same update keeps them equal
+            dist.all_reduce(_local(tied.grad), group=pipe.tie_group)
+        counted = [g for p, g in zip(params, grads) if not (p is tied and pipe.has_last)]  # the tied weight once
+        local = torch.nn.utils.get_total_norm(counted) if counted else torch.zeros((), device=self.device)
         squared = local.double().square()
         dist.all_reduce(squared, group=pipe.pp_group)  # the stages hold disjoint parameters
+        if self.sharded:
+            dist.all_reduce(squared, group=self.layout.group("dp_shard"))  # and the shards disjoint pieces
         total = squared.sqrt().float()
-        grad_norm = float(total)
+        grad_norm, loss_value = read_together(total, loss)  # the step's one host sync
+        apply = apply and math.isfinite(loss_value)
         finite = math.isfinite(grad_norm)
         if apply and finite:
-            torch.nn.utils.clip_grads_with_norm_(params, CLIP_NORM, total)
+            if grads:  # clip_grads_with_norm_'s own arithmetic, on the local shards
+                coef = torch.clamp(CLIP_NORM / (total + 1e-6), max=1.0)
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
             opt.step()
         opt.zero_grad(set_to_none=True)
-        return StepOutcome(grad_norm, applied=apply and finite)
+        return StepOutcome(grad_norm, applied=apply and finite, train_loss=loss_value if loss is not None else math.nan)
 
     def describe(self) -> str:
         p = self.pipe
+        data = self.layout.data_world
         return (f"pipeline {p.pp} ranks x {p.n_stages // p.pp} stage(s), {self.schedule_name}"
-                + (f", data parallel {p.dp}" if p.dp > 1 else ""))
+                + (f", data parallel {data}" if data > 1 and not self.sharded else "")
+                + (f", FSDP2 over {data}" if self.sharded else "") + (", tied embeddings" if p.tie_group else ""))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor is its own)."""
+    return t.to_local() if hasattr(t, "to_local") else t

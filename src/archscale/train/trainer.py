@@ -10,7 +10,6 @@ checkpoint, so `--resume auto` continues with exactly the next batch and reprodu
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -23,12 +22,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 import yaml
 
 from archscale.config import LAYOUTS, ModelConfig, arch_preset, resolve_layout
 from archscale.layout import LayoutSpec, layer_label
-from archscale.data.loader import GlobalOrderLoader, load_mixture, read_manifest, validation_batches
+from archscale.data.loader import GlobalOrderLoader, load_mixture, prefetching, read_manifest, validation_batches
 from archscale.data.synthetic import SyntheticLoader, synthetic_kind, synthetic_validation_batches
 from archscale.errors import NonFiniteError, UserError
 from archscale.models.model import GPT
@@ -46,12 +44,13 @@ from archscale.train.loggers import Loggers, SystemMonitor, seed_wandb_config
 from archscale.train.metrics import Progress, peak_flops
 from archscale.train.optim import param_groups, set_lr
 from archscale.train.grad_compression import parse_grad_compression
-from archscale.train.expert_parallel import ExpertParallel, check_ep, expert_param_groups, expert_params
-from archscale.train.parallelize import apply_act_ckpt, apply_compile, parallelize, unwrap
-from archscale.train.pipeline import PipelineStrategy, build_pipeline, check_pp, pipeline_summary
+from archscale.train.expert_parallel import expert_param_groups, expert_params
+from archscale.train.parallel_layout import check_layout, data_world_of, make_layout, run_strategy
+from archscale.train.parallelize import unwrap
+from archscale.train.pipeline import pipeline_section
 from archscale.train.runlock import RunLock
 from archscale.train.schedule import lr_at
-from archscale.train.strategy import Strategy, build_strategy
+from archscale.train.strategy import OptimizerSpec, Strategy, evaluate, strategy_for  # noqa: F401 - evaluate
 
 
 @dataclasses.dataclass
@@ -121,9 +120,8 @@ def make_plan(cfg: PretrainConfig, explicit: set[str], world_size: int = 1,
         meta = GPT(sizes.replace(**rules.model_overrides()))  # checks the layout (one line naming the layer)
     model_cfg = meta.config  # with every layer's record complete
     # --pp: the ranks of one pipeline share their batches; the data-parallel world is the pipelines
-    data_world = world_size // cfg.pp if world_size % cfg.pp == 0 else world_size
-    batch, accum, lr = resolve_batch_and_lr(hps, cfg.micro_bsz, cfg.ctx_len, data_world)
-    check_pp(cfg, model_cfg.n_layer, world_size, accum, model_cfg.tie_embeddings)
+    batch, accum, lr = resolve_batch_and_lr(hps, cfg.micro_bsz, cfg.ctx_len, data_world_of(cfg, world_size))
+    check_layout(cfg, world_size, model_cfg.n_layer, accum)
     lr = lr * rules.global_lr_mult
     law_params, law_source = budget_params(spec, cfg, meta)
     total = int(cfg.max_tokens if cfg.max_tokens is not None else tokens_for_params(hps, law_params))
@@ -195,7 +193,7 @@ def dry_run_summary(cfg: PretrainConfig, explicit: set[str] = frozenset(), world
         "n_params_law_source": plan.params_law, "layout": layout_summary(m),
         "grad_compression": parse_grad_compression(cfg.grad_compression).describe(),
         "notes": dry_run_notes(cfg),
-        **({"pipeline": pipeline_summary(cfg, m.n_layer, plan.grad_accum)} if cfg.pp > 1 else {}),
+        **pipeline_section(cfg, m.n_layer, plan.grad_accum),
         **launch_estimates(cfg, m, plan, world_size),
     }
 
@@ -259,39 +257,27 @@ def resolved_yaml(cfg: PretrainConfig, plan: Plan, model_cfg: ModelConfig) -> st
                            "model": model_cfg.to_dict()}, sort_keys=False)
 
 
-def make_forward(cfg: PretrainConfig, eos_id: Optional[int], return_hidden: bool = False) -> Callable:
+class ModelForward:
     """model, inputs -> logits (or (hidden, head weight) for a chunked loss); with --varlen the documents (from
-    EOS) mask attention and reset Mamba states."""
-    if not cfg.varlen:
-        return lambda model, x: model(x, return_hidden=return_hidden)
+    EOS) mask attention and reset Mamba states. `model_kwargs(inputs)` are those document inputs alone (a
+    pipeline hands them to every stage)."""
 
-    def forward(model, x):
-        docs = document_ids(x, eos_id)
-        return model(x, doc_ids=docs, position_ids=document_positions(docs) if cfg.reset_position_ids else None,
-                     return_hidden=return_hidden)
-    return forward
+    def __init__(self, varlen: bool, eos_id: Optional[int], reset_positions: bool, return_hidden: bool):
+        self.varlen, self.eos_id, self.reset_positions = varlen, eos_id, reset_positions
+        self.return_hidden = return_hidden
+
+    def model_kwargs(self, x: torch.Tensor) -> dict:
+        if not self.varlen:
+            return {}
+        docs = document_ids(x, self.eos_id)
+        return {"doc_ids": docs, "position_ids": document_positions(docs) if self.reset_positions else None}
+
+    def __call__(self, model, x: torch.Tensor):
+        return model(x, **self.model_kwargs(x), return_hidden=self.return_hidden)
 
 
-def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device, autocast,
-             env: Optional[DistEnv] = None, pad: int = 0, pad_batch: Optional[torch.Tensor] = None,
-             forward: Callable = lambda model, x: model(x)) -> float:
-    """Mean token loss over all ranks' `batches`. `pad` extra forwards (results discarded) keep every rank at
-    the same number of forwards, which sharded models (FSDP2, ZeRO-3) need: their forward is collective."""
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, token count)
-    with torch.no_grad(), autocast():
-        for i, batch in enumerate(batches + [pad_batch] * pad):
-            batch = batch.to(device)
-            logits = forward(model, batch[:, :-1])
-            if i >= len(batches):
-                continue
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
-            total[0] += loss.item()
-            total[1] += batch[:, 1:].numel()
-    if env is not None:
-        env.sum_(total)
-    model.train()
-    return float(total[0] / total[1].clamp_min(1))
+def make_forward(cfg: PretrainConfig, eos_id: Optional[int], return_hidden: bool = False) -> ModelForward:
+    return ModelForward(cfg.varlen, eos_id, cfg.reset_position_ids, return_hidden)
 
 
 def check_token_range(batch: torch.Tensor, vocab_size: int, data_dir: str) -> None:
@@ -532,11 +518,8 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(),
     if cfg.dry_run:
         print_dry_run(cfg, explicit)
         return None
-    strategy = "fsdp" if (cfg.fsdp_save_mem and cfg.strategy == "auto") else cfg.strategy
-    if cfg.pp > 1 and strategy == "auto":
-        strategy = "ddp"  # the replicas of a pipeline average their gradients (PipelineStrategy)
     validate(cfg)  # before any process group exists, so bad flags fail fast everywhere
-    env = setup_distributed(strategy)
+    env = setup_distributed(run_strategy(cfg))
     try:
         trainer = Trainer(cfg, set(explicit), env, log if env.is_main else (lambda msg: None))
         try:
@@ -555,9 +538,10 @@ class Trainer:
         self.cfg, self.env, self.log = cfg, env, log
         self.metrics, self.monitor, self.lock = None, None, None
         self.nonfinite_in_a_row = 0
-        self.pipe = None
-        # the data-parallel position: with --pp the ranks of one pipeline (rank = replica * pp + stage) share it
-        self.data_rank, self.data_world = env.rank // cfg.pp, max(1, env.world_size // cfg.pp)
+        # the mesh's shape and this rank's data-parallel position in it (train/parallel_layout.py)
+        self.layout = make_layout(cfg, env.strategy, env.world_size, env.rank, env.device)
+        self.data_rank, self.data_world = self.layout.data_rank, self.layout.data_world
+        self.written = ["config.yaml"]  # what setup wrote into the run dir
         self.plan, self.model_cfg = make_plan(cfg, explicit, world_size=env.world_size, warn=log)
         self.out_dir = Path(self.plan.out_dir)
         self.checkpoints = RunCheckpoints(self.out_dir / "checkpoints", env, log)
@@ -580,7 +564,7 @@ class Trainer:
         """Setup refused a new run (a flag combination checked while building): remove what setup wrote, the
         lock last (unlinked while still held, so no other process can lock the removed file's inode after us),
         and the dir itself when that leaves it empty."""
-        for name in ("config.yaml", "deepspeed_config.json"):
+        for name in self.written:
             (self.out_dir / name).unlink(missing_ok=True)
         if self.lock is not None:
             self.lock.path.unlink(missing_ok=True)
@@ -600,64 +584,28 @@ class Trainer:
         if expert_params(unwrap(model)):  # a mixture of experts: its experts in groups of their own
             self.groups = expert_param_groups(self.groups, expert_params(unwrap(model)))
         hps = cfg.base_hps
-        if self.pipe is not None:  # --pp
-            from archscale.train.optim import build_adamw
-
-            optimizer = build_adamw(self.groups, self.plan.lr, (hps.beta1_0, hps.beta2_0), hps.eps0)
-            self.strategy, ds_cfg = PipelineStrategy(self.pipe, optimizer, self.plan.grad_accum, cfg.pp_schedule,
-                                                     env.device), None
-        else:
-            self.strategy, ds_cfg = build_strategy(
-                env, model, self.groups, lr=self.plan.lr, betas=(hps.beta1_0, hps.beta2_0), eps=hps.eps0,
-                accum=self.plan.grad_accum, micro_bsz=cfg.micro_bsz, precision=cfg.precision,
-                zero_stage=cfg.zero_stage, offload=cfg.offload, fp16_scale_window=cfg.fp16_scale_window,
-                grad_compression=cfg.grad_compression,
-                universal_from=self.checkpoints.universal_copy(self.resume_from))
-        self.strategy.experts = self.experts
-        if ds_cfg is not None and env.is_main:
-            (self.out_dir / "deepspeed_config.json").write_text(json.dumps(ds_cfg, indent=1))
+        self.strategy.build_optimizer(self.groups, OptimizerSpec(
+            lr=self.plan.lr, betas=(hps.beta1_0, hps.beta2_0), eps=hps.eps0, accum=self.plan.grad_accum,
+            micro_bsz=cfg.micro_bsz, universal_from=self.checkpoints.universal_copy(self.resume_from)))
+        if env.is_main:
+            for name, text in self.strategy.run_files.items():  # e.g. DeepSpeed's generated config
+                (self.out_dir / name).write_text(text)
+                self.written.append(name)
         self._build_data()
         self.state = self._resume() if self.resume_from is not None else TrainState()
         self._open_loggers()
 
     # ---------------------------------------------------------------- setup
     def _build_model(self) -> torch.nn.Module:
-        """Every rank builds the same init from the same seed, then parallelize() wraps/shards it (FSDP2: on meta,
-        initialised after sharding with the same values, train/meta_init.py)."""
-        cfg, env = self.cfg, self.env
-        torch.manual_seed(cfg.seed)
-        # ---- meta-device init (train/meta_init.py): FSDP2 builds on meta, materialises after sharding (below)
-        meta = meta_init.applies(env.strategy, cfg.pp, cfg.ep)
-        model = meta_init.build_on_meta(self.model_cfg) if meta else GPT(self.model_cfg).to(env.device)
-        if cfg.compile and cfg.fsdp_save_mem:
-            self.log("note: --fsdp_save_mem turns --compile off (as ArchScale does)")
-        # FSDP2's CPUOffloadPolicy needs an accelerator to offload from; on a CPU machine the shards already live
-        # in host memory, so --fsdp_save_mem is activation checkpointing only there.
-        cpu_offload = cfg.fsdp_save_mem and env.strategy == "fsdp" and env.device.type == "cuda"
-        if cfg.fsdp_save_mem and not cpu_offload:
-            self.log("note: --fsdp_save_mem on CPU = activation checkpointing (FSDP2 CPU offload needs a GPU to "
-                     "offload from)")
-        self.experts = None
-        if cfg.pp > 1:  # --pp: memory savers on the full model, then this rank's stages (FQNs unchanged)
-            if cfg.act_ckpt:
-                apply_act_ckpt(model)
-            if cfg.compile:
-                apply_compile(model)
-            wants_hidden = select_loss(cfg.loss, self.model_cfg.vocab_size).wants_hidden
-            self.pipe = build_pipeline(model, cfg, env, return_hidden=wants_hidden)
-            return self.pipe.shard
-        if cfg.ep > 1:  # --ep: split the experts before wrapping; DDP / FSDP2 then leave them alone
-            check_ep(cfg.ep, env.world_size, env.strategy)
-            self.experts = ExpertParallel(cfg.ep, env.device)
-            self.experts.shard(model)
-        model = parallelize(model, env, act_ckpt=cfg.act_ckpt or cfg.fsdp_save_mem,
-                            compile=cfg.compile and not cfg.fsdp_save_mem, bf16=cfg.precision == "bf16-mixed",
-                            cpu_offload=cpu_offload,
-                            ignored=frozenset(self.experts.params) if self.experts else frozenset())
-        if meta:  # the shards, initialised as the eager build would (CPU-offloaded shards live on the host)
-            meta_init.materialize(model, torch.device("cpu") if cpu_offload else env.device)
-            self.log("meta-device init: built on meta, sharded, initialised shard by shard")
-        return model
+        """The layout's strategy builds the model (every rank the same init from the same seed) and parallelizes
+        it (strategy.py)."""
+        self.strategy = strategy_for(self.layout, self.cfg, self.log)
+
+        def factory(on_meta: bool = False) -> torch.nn.Module:
+            """on_meta: on the meta device, for a sharding strategy to initialise after sharding (meta_init)."""
+            torch.manual_seed(self.cfg.seed)
+            return meta_init.build_on_meta(self.model_cfg) if on_meta else GPT(self.model_cfg)
+        return self.strategy.build_model(factory)
 
     def _build_data(self) -> None:
         """One global sample order; rank r takes micro-batches r, r+W, ... (the same global batches whatever the
@@ -674,9 +622,10 @@ class Trainer:
             self.loader = GlobalOrderLoader(cfg.train_data_dir, mixture, block_size=block, micro_bsz=cfg.micro_bsz,
                                             seed=cfg.seed, rank=self.data_rank, world_size=self.data_world,
                                             num_workers=cfg.num_workers)
+        self.loader = prefetching(self.loader, env.device)  # CUDA: read ahead on a thread, into pinned memory
         eos_id = varlen_eos_id(cfg)
-        zero3 = self.env.strategy == "deepspeed" and cfg.zero_stage == 3
-        self.loss_fn = select_loss(cfg.loss, self.model_cfg.vocab_size, zero3=zero3)  # --loss
+        self.loss_fn = select_loss(cfg.loss, self.model_cfg.vocab_size,  # --loss
+                                   zero3=self.strategy.head_only_in_forward)
         self.forward = make_forward(cfg, eos_id, return_hidden=self.loss_fn.wants_hidden)
         self.curriculum = parse_curriculum(cfg.curriculum, cfg.ctx_len)  # None: always --ctx_len
         self.eval_forward = make_forward(cfg, eos_id)
@@ -743,6 +692,8 @@ class Trainer:
                  f"{env.device.type}; peak {self.peak / 1e9:,.0f} GFLOP/s per process ({peak_src})")
 
     def close(self) -> None:
+        if hasattr(getattr(self, "loader", None), "close"):  # the prefetch thread
+            self.loader.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -770,8 +721,10 @@ class Trainer:
 
         loss_sum = strategy.run_micro_batches(micro_batches(), self.forward, self.loss_fn, cfg.label_smoothing,
                                               self.autocast)
-        train_loss = self.env.mean(loss_sum.double() / plan.grad_accum)  # the global batch's, on every rank
-        outcome = strategy.clip_and_step(apply=math.isfinite(train_loss))  # the guard: see _on_nonfinite
+        mean_loss = self.env.mean_tensor(loss_sum.double() / plan.grad_accum)  # the global batch's, on every rank
+        # the guard (see _on_nonfinite): no update unless loss and gradient norm are finite, both read in one sync
+        outcome = strategy.clip_and_step(loss=mean_loss)
+        train_loss = outcome.train_loss
         state.step += 1
         state.tokens += plan.batch_tokens
         return StepResult(lr=lr, train_loss=train_loss, grad_norm=outcome.grad_norm, applied=outcome.applied,
@@ -779,8 +732,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
     def validate_now(self) -> float:
-        run = self.strategy.evaluate if self.pipe is not None else functools.partial(evaluate, self.strategy.model)
-        return run(self.val_batches, self.env.device, self.autocast, self.env, self.val_pad, self.val_filler,
+        return self.strategy.evaluate(self.val_batches, self.env.device, self.autocast, self.env, self.val_pad, self.val_filler,
                    forward=self.eval_forward)
 
     def save(self) -> Path:
