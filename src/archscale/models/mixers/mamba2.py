@@ -214,9 +214,9 @@ def mamba2_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, floa
 def mamba2_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
     """Per token: in_proj's input and output, the conv and silu outputs, the scan's fp32 inputs and output and the
     gated norm's fp32 input (7.5 d_inner elements in the activation dtype + 30 B per d_inner channel in fp32), B/C
-    (33 B per group state, fp32) and, in the torch chunked scan (CPU), three fp32 Q x Q matrices per head and chunk
-    (decay mask, C B^T, their product: 12 B per head and chunk position, Q = the chunk length at this sequence
-    length; mamba-ssm's CUDA kernel recomputes them). Measured with `memory_measure.saved_by_block`. "mamba2_mem"
+    (33 B per group state, fp32) and, in the torch chunked scan (CPU), two fp32 Q x Q matrices per head and chunk
+    (`ssd_fused.intra_chunk` keeps the decays and their product with C B^T: 8 B per head and chunk position, Q = the
+    chunk length at this sequence length; mamba-ssm's CUDA kernel recomputes them). Measured with `memory_measure.saved_by_block`. "mamba2_mem"
     keeps its fp32 output (the nGMU memory) across a checkpointed block."""
     opts = options(config)
     di = d_inner(config)
@@ -226,7 +226,7 @@ def mamba2_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, floa
     out = {"mamba2": env.act_bytes * 7.5 * di + 30 * di + 33 * 2 * opts.ngroups * opts.d_state}
     if env.device == "cpu":
         _, Q = chunk_layout(env.seq_len, min(opts.chunk_size, TORCH_CHUNK))
-        out["scan_chunks"] = 12.0 * (di // opts.headdim) * Q
+        out["scan_chunks"] = 8.0 * (di // opts.headdim) * Q
     return out
 
 
