@@ -3,9 +3,12 @@ ArchScale's aspect ratio (so about equal non-embedding parameters), vocab 8192, 
 cross-entropy + backward + fused AdamW, fp32.
 
 All models live in one process and are timed in alternating rounds (order reversed every round). Reported per
-model: the median and the best tok/s over the rounds in wall time, the median in CPU time of this process (which a
+model: the median tok/s over the rounds in wall time and its spread (slowest-fastest round), the median in CPU time of this process (which a
 busy neighbour distorts less, but which with several threads also counts threads waiting for work), and the
-ratios to the first architecture. Only same-run ratios mean anything on a shared machine.
+ratios to the first architecture, the training FLOPs per token from the model's own count and the MFU: those FLOPs
+at the median tok/s over the fp32 matmul peak (a 1024^3 matmul, measured once per round in this process, so
+"near the limit" is a number per architecture). Only same-run ratios mean anything on a shared machine; the CPU
+model and its vector flags are printed first.
 
     .venv/bin/python benchmarks/arch_throughput.py                                   # transformer vs mamba, d4
     .venv/bin/python benchmarks/arch_throughput.py --archs transformer,mamba,samba,sambay --rounds 6
@@ -23,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from archscale.config import ModelConfig
-from archscale.models import GPT
+from archscale.models import GPT, accounting
+from archscale.train.metrics import measure_matmul_flops
 
 
 def build(arch: str, depth: int, vocab: int, seed: int):
@@ -41,6 +45,45 @@ def step(model, opt, x) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+def cpu_description() -> str:
+    """The CPU model and its vector-unit flags (from /proc/cpuinfo): the matmul peak depends on them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown CPU"
+    field = lambda key: next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith(key)), "")  # noqa: E731
+    wanted = [fl for fl in field("flags").split() if fl.startswith(("avx", "amx", "fma"))]
+    return f"{field('model name') or 'unknown CPU'}, {os.cpu_count()} logical CPUs, flags {' '.join(wanted)}"
+
+
+def matmul_flops_per_token(model, seq: int) -> float:
+    """Training FLOPs per token from the model's own count (`flops_breakdown`: 3 x forward), the terms a matmul
+    peak applies to: every term but the "*elementwise" ones (gates, decays, norms: memory-bound, not matmuls)."""
+    terms = accounting.flops_breakdown(model, seq)
+    return 3.0 * sum(v for k, v in terms.items() if "elementwise" not in k)
+
+
+def timed_rounds(models: dict, archs: list[str], x, rounds: int) -> tuple[dict, dict, list[float]]:
+    """Alternating rounds (order reversed every round), one step per model each, and a 0.3 s fp32 matmul peak
+    measurement per round in the same process; returns (wall seconds, CPU seconds, peaks FLOP/s)."""
+    wall = {name: [] for name in archs}
+    cpu = {name: [] for name in archs}
+    peaks = []
+    for r in range(rounds):
+        peaks.append(measure_matmul_flops(torch.device("cpu"), torch.float32))
+        for name in (archs if r % 2 == 0 else archs[::-1]):
+            model, opt, _ = models[name]
+            t0, c0 = time.perf_counter(), time.process_time()
+            step(model, opt, x)
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+        tokens = x.shape[0] * (x.shape[1] - 1)
+        print(f"  round {r + 1}: " + "  ".join(f"{n} {tokens / wall[n][-1]:,.1f}" for n in archs)
+              + f" tok/s; matmul peak {peaks[-1] / 1e9:.1f} GFLOP/s; load avg {os.getloadavg()[0]:.2f}", flush=True)
+    return wall, cpu, peaks
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--archs", default="transformer,mamba", help="comma list; ratios are to the first")
@@ -56,28 +99,31 @@ def main(argv=None) -> None:
     archs = a.archs.split(",")
     models = {name: build(name, a.depth, a.vocab, seed=i) for i, name in enumerate(archs)}
     x = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=torch.Generator().manual_seed(0))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, B{a.batch} x T{a.seq}, vocab {a.vocab}, "
-          f"fp32, scan impl {os.environ.get('ARCHSCALE_SCAN_IMPL', 'auto')}; load avg {os.getloadavg()[0]:.2f}")
+    print(f"{cpu_description()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads, B{a.batch} x "
+          f"T{a.seq}, vocab {a.vocab}, fp32, scan impl {os.environ.get('ARCHSCALE_SCAN_IMPL', 'auto')}; "
+          f"load avg {os.getloadavg()[0]:.2f}")
     for name, (model, opt, body) in models.items():
         print(f"  {name}_d{a.depth}: {body / 1e6:.2f}M non-embedding parameters")
         step(model, opt, x)  # warm-up (and the C++ scan's first-use build)
-    wall = {name: [] for name in archs}
-    cpu = {name: [] for name in archs}
-    for r in range(a.rounds):
-        for name in (archs if r % 2 == 0 else archs[::-1]):
-            model, opt, _ = models[name]
-            t0, c0 = time.perf_counter(), time.process_time()
-            step(model, opt, x)
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-    tokens = a.batch * a.seq
+    wall, cpu, peaks = timed_rounds(models, archs, x, a.rounds)
+    report(models, archs, a, wall, cpu, peaks)
+
+
+def report(models, archs, a, wall, cpu, peaks) -> None:
+    """The table: tok/s (median, spread over rounds), ratios to the first architecture, MFU at the median peak."""
+    tokens, peak = a.batch * a.seq, statistics.median(peaks)
     base, base_cpu = statistics.median(wall[archs[0]]), statistics.median(cpu[archs[0]])
-    print(f"| model | tok/s (median) | tok/s (best) | ratio to {archs[0]} | ratio in CPU time |")
-    print("|---|---|---|---|---|")
+    print(f"fp32 matmul peak (1024^3, per round): median {peak / 1e9:.1f} GFLOP/s, "
+          f"range {min(peaks) / 1e9:.1f}-{max(peaks) / 1e9:.1f}")
+    print(f"| model | tok/s (median) | tok/s (min-max over rounds) | ratio to {archs[0]} | ratio in CPU time | "
+          "GFLOP/token (train) | MFU |")
+    print("|---|---|---|---|---|---|---|")
     for name in archs:
         med, med_cpu = statistics.median(wall[name]), statistics.median(cpu[name])
-        print(f"| {name}_d{a.depth} | {tokens / med:,.0f} | {tokens / min(wall[name]):,.0f} | {base / med:.2f} | "
-              f"{base_cpu / med_cpu:.2f} |")
+        per_token = matmul_flops_per_token(models[name][0], a.seq)
+        print(f"| {name}_d{a.depth} | {tokens / med:,.0f} | {tokens / max(wall[name]):,.0f}-"
+              f"{tokens / min(wall[name]):,.0f} | {base / med:.2f} | {base_cpu / med_cpu:.2f} | "
+              f"{per_token / 1e9:.3f} | {per_token * tokens / med / peak:.1%} |")
     print(f"load avg at the end {os.getloadavg()[0]:.2f}")
 
 

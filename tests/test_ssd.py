@@ -63,24 +63,32 @@ def assert_close(got, want, rtol_values=1e-5, rtol_grads=1e-4):
 OPTIONALS = [(), ("D",), ("dt_bias",), ("initial_state",), ("D", "dt_bias", "initial_state")]
 
 
+@pytest.fixture(params=[True, False], ids=["fused", "autograd"])
+def intra(request, monkeypatch):
+    """Both forms of the chunked path's intra-chunk step: `ssd_fused.intra_chunk` (hand-written backward, the
+    default) and the same maths through autograd."""
+    monkeypatch.setattr(ssd, "FUSED_INTRA", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("shape,chunk", [((2, 1, 2, 3, 1, 4), 8), ((1, 7, 2, 3, 2, 5), 8), ((2, 37, 4, 3, 2, 5), 8),
                                          ((2, 33, 4, 4, 1, 6), 16), ((1, 70, 2, 8, 1, 16), 24)])
 @pytest.mark.parametrize("use", OPTIONALS, ids=lambda u: "+".join(u) or "plain")
-def test_chunked_matches_reference_values_and_grads(shape, chunk, use):
+def test_chunked_matches_reference_values_and_grads(shape, chunk, use, intra):
     """Lengths below, at and not multiple of the chunk (balanced chunks, padded ends), groups shared by heads."""
     inputs = make_inputs(*shape, seed=sum(shape))
     assert_close(run("chunked", inputs, use, chunk), run("ref", inputs, use, chunk))
 
 
 @pytest.mark.parametrize("L,chunk", [(1, 4), (9, 4), (40, 7), (150, 32)])
-def test_document_resets_chunked_equals_reference(L, chunk):
+def test_document_resets_chunked_equals_reference(L, chunk, intra):
     inputs = make_inputs(2, L, 4, 3, 2, 5, seed=L)
     seq = doc_labels(2, L, seed=L)
     use = ("D", "dt_bias", "initial_state")
     assert_close(run("chunked", inputs, use, chunk, seq), run("ref", inputs, use, chunk, seq))
 
 
-def test_packed_equals_separate_and_the_leak_control():
+def test_packed_equals_separate_and_the_leak_control(intra):
     """Each document of a packed row equals that document scanned alone (values and input gradients); without
     the sequence index the second document sees the first (the control)."""
     torch.manual_seed(0)
@@ -114,7 +122,7 @@ def test_chunk_length_does_not_change_the_result():
         assert_close(run("chunked", inputs, use, chunk, seq), want)
 
 
-def test_strong_decay_is_stable():
+def test_strong_decay_is_stable(intra):
     """dt * A of about -100 per step: decays underflow to exactly 0, nothing overflows (no exp of a positive
     number is ever formed)."""
     inputs = make_inputs(2, 40, 4, 3, 1, 5, seed=4, dt_shift=40.0)

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from archscale.kernels.dispatch import Dispatch, Impl, cuda_impl
 from archscale.kernels.selective_scan import ENV_VAR, _mamba_ssm
+from archscale.kernels.ssd_fused import intra_chunk
 
 # The chunked path's longest chunk. Its work per token is ~Q h elementwise on the (Q, Q) decays plus
 # ~d_inner n / Q on the per-chunk states; on CPU the two balance near Q = sqrt(p n) (~90 at Mamba-2's sizes): one
@@ -51,6 +52,9 @@ from archscale.kernels.selective_scan import ENV_VAR, _mamba_ssm
 # ArchScale's 256 (2 loaded cores; `benchmarks/mamba2_throughput.py --torch_chunk Q` times the whole model). The
 # result does not depend on the chunking except through rounding; mamba-ssm's CUDA kernel keeps chunk_size.
 TORCH_CHUNK = 128
+# step 1 of the chunked path (the (Q, Q) decays and the intra-chunk product): True = `ssd_fused.intra_chunk`,
+# one autograd node with a hand-written backward; False = the same maths through autograd (tests run both)
+FUSED_INTRA = True
 
 
 
@@ -190,16 +194,9 @@ def _ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_s
     r = None if starts is None else starts.view(b, nc, Q).cumsum(-1)
 
     # 1. inside each chunk: y_l = sum_{s<=l} (C_l . B_s) exp(acum_l - acum_s) dt_s x_s
-    # the diagonal is exactly 1 and independent of A: kept out of the exp so that its gradient paths into acum_l
-    # and acum_s (equal and opposite) are not formed at all, instead of cancelling up to rounding
-    eye = torch.eye(Q, dtype=x.dtype, device=x.device)
-    keep = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril(-1)
-    if r is not None:
-        keep = keep & (r[..., :, None] == r[..., None, :])[:, :, None]      # (b, c, 1, Q, Q)
-    decay = torch.exp((acum[..., :, None] - acum[..., None, :]).masked_fill(~keep, -math.inf)) + eye
+    same = None if r is None else (r[..., :, None] == r[..., None, :])[:, :, None]  # (b, c, 1, Q, Q)
     CB = torch.einsum("bclgn,bcsgn->bcgls", Cc, Bc)                           # (b, c, g, Q, Q)
-    M = decay.view(b, nc, g, hg, Q, Q) * CB[:, :, :, None]
-    y = torch.einsum("bcgkls,bcsgkp->bclgkp", M, X)
+    y = (intra_chunk if FUSED_INTRA else _intra_chunk_autograd)(acum, CB, X, same)
 
     # 2. each chunk's final state from a zero start: sum_s exp(acum_last - acum_s) dt_s x_s B_s^T
     to_end = torch.exp(acum[..., -1:] - acum)                                 # (b, c, h, Q)
@@ -226,3 +223,18 @@ def _ssd_chunked(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_s
     y_off = torch.einsum("bclgn,bcgkpn->bclgkp", Cc, Hin)
     y = y + y_off * from_start.transpose(2, 3).reshape(b, nc, Q, g, hg, 1)
     return y.reshape(b, nc * Q, h, p)[:, :L], state
+
+
+def _intra_chunk_autograd(acum: Tensor, CB: Tensor, X: Tensor, same: Tensor | None) -> Tensor:
+    """Step 1 of the chunked path through autograd (what `ssd_fused.intra_chunk` computes with its own backward;
+    kept as the second path its tests compare). The diagonal is exactly 1 and independent of A: kept out of the
+    exp so that its gradient paths into acum_l and acum_s (equal and opposite) are not formed at all."""
+    b, nc, g, Q, _ = CB.shape
+    hg = X.shape[-2]
+    eye = torch.eye(Q, dtype=X.dtype, device=X.device)
+    keep = torch.ones(Q, Q, dtype=torch.bool, device=X.device).tril(-1)
+    if same is not None:
+        keep = keep & same
+    decay = torch.exp((acum[..., :, None] - acum[..., None, :]).masked_fill(~keep, -math.inf)) + eye
+    M = decay.view(b, nc, g, hg, Q, Q) * CB[:, :, :, None]
+    return torch.einsum("bcgkls,bcsgkp->bclgkp", M, X)

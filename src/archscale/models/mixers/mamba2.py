@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from archscale.config import ModelConfig
 from archscale.errors import UserError
+from archscale.kernels.short_conv import causal_conv1d
 from archscale.kernels.ssd import TORCH_CHUNK, chunk_layout, cuda_ssd_available, ssd_scan, ssd_state_update
 from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, SaveEnv,
                                          options_of, register)
@@ -119,7 +120,7 @@ class Mamba2(nn.Module):
             raise ValueError("doc_ids is for training-style forwards, not for decoding with a state")
         h, p, g, n = self.nheads, self.headdim, self.ngroups, self.d_state
         z, xBC, dt = torch.split(self.in_proj(x), [self.d_inner, self.conv_dim, h], dim=-1)
-        xBC = F.silu(self._conv(xBC, state, doc_ids))                          # (B, T, conv_dim)
+        xBC = self._conv(xBC, state, doc_ids)                                  # (B, T, conv_dim)
         xs, Bm, Cm = torch.split(xBC, [self.d_inner, g * n, g * n], dim=-1)
         A = -torch.exp(self.A_log.float())
         if state is not None and T == 1:
@@ -138,25 +139,16 @@ class Mamba2(nn.Module):
         return self.out_proj(self.norm(y, z)), memory
 
     def _conv(self, xs: Tensor, state: Mamba2State | None, doc_ids: Tensor | None) -> Tensor:
-        """Causal depthwise conv over xs (B, T, conv_dim), as a sum of d_conv shifted, scaled copies (PyTorch's
-        CPU depthwise conv backward took 37x its forward in a training step here; this is a few elementwise ops).
-        With a state: prepend its inputs and store the new tail. With doc_ids: taps reaching into an earlier
-        document are zeroed."""
-        K, T = self.d_conv, xs.shape[1]
-        w = self.conv1d.weight[:, 0].to(xs.dtype)                              # (conv_dim, K); tap K-1 = now
+        """silu(causal depthwise conv) over xs (B, T, conv_dim) by `kernels.short_conv` (PyTorch's CPU depthwise
+        conv backward took 37x its forward in a training step here). With a state: prepend its inputs and store
+        the new tail. With doc_ids: taps reaching into an earlier document are zeroed."""
+        K = self.d_conv
         if state is not None:
             xp = torch.cat([state.conv.transpose(1, 2).to(xs.dtype), xs], dim=1)  # (B, K-1+T, conv_dim)
             state.conv = xp[:, xp.shape[1] - (K - 1):].transpose(1, 2).clone()
         else:
             xp = F.pad(xs, (0, 0, K - 1, 0))
-        dp = None if doc_ids is None else F.pad(doc_ids, (K - 1, 0), value=-1)
-        out = torch.addcmul(self.conv1d.bias.to(xs.dtype), xs, w[:, K - 1])
-        for k in range(1, K):                                                  # the input k steps back
-            tap = xp[:, K - 1 - k:K - 1 - k + T] * w[:, K - 1 - k]
-            if dp is not None:
-                tap = tap * (dp[:, K - 1 - k:K - 1 - k + T] == doc_ids).to(xs.dtype).unsqueeze(-1)
-            out = out + tap
-        return out
+        return causal_conv1d(xp, self.conv1d.weight[:, 0], self.conv1d.bias, doc_ids, silu=True)
 
 
 @dataclass
@@ -222,9 +214,9 @@ def mamba2_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, floa
 def mamba2_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
     """Per token: in_proj's input and output, the conv and silu outputs, the scan's fp32 inputs and output and the
     gated norm's fp32 input (7.5 d_inner elements in the activation dtype + 30 B per d_inner channel in fp32), B/C
-    (33 B per group state, fp32) and, in the torch chunked scan (CPU), three fp32 Q x Q matrices per head and chunk
-    (decay mask, C B^T, their product: 12 B per head and chunk position, Q = the chunk length at this sequence
-    length; mamba-ssm's CUDA kernel recomputes them). Measured with `memory_measure.saved_by_block`. "mamba2_mem"
+    (33 B per group state, fp32) and, in the torch chunked scan (CPU), two fp32 Q x Q matrices per head and chunk
+    (`ssd_fused.intra_chunk` keeps the decays and their product with C B^T: 8 B per head and chunk position, Q = the
+    chunk length at this sequence length; mamba-ssm's CUDA kernel recomputes them). Measured with `memory_measure.saved_by_block`. "mamba2_mem"
     keeps its fp32 output (the nGMU memory) across a checkpointed block."""
     opts = options(config)
     di = d_inner(config)
@@ -234,7 +226,7 @@ def mamba2_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, floa
     out = {"mamba2": env.act_bytes * 7.5 * di + 30 * di + 33 * 2 * opts.ngroups * opts.d_state}
     if env.device == "cpu":
         _, Q = chunk_layout(env.seq_len, min(opts.chunk_size, TORCH_CHUNK))
-        out["scan_chunks"] = 12.0 * (di // opts.headdim) * Q
+        out["scan_chunks"] = 8.0 * (di // opts.headdim) * Q
     return out
 
 
