@@ -8,7 +8,9 @@
   bf16-mixed, the root (embedding, head) for the whole forward and backward; DeepSpeed ZeRO keeps bf16 weights:
   stage 0 20, stage 1 4 + 12/N, stage 2 2 + 14/N, stage 3 16/N B/param (Rajbhandari et al. 2020; measured in
   `benchmarks/zero_stages.py`), plus its reduce / all-gather buckets; offload moves the fp32 states to the host;
-  a pipeline stage holds its own blocks (`--pp`), an expert-parallel rank 1/ep of the experts (`--ep`);
+  a pipeline stage holds its own blocks (`--pp`), an expert-parallel rank 1/ep of the experts (`--ep`); which
+  gradients live between steps (`grads_between_steps`: DeepSpeed stage 0's only in the step) and the clip's
+  buffers (`clip_buffers`: `--ep`'s float64 norm of the expert gradients);
 - activations: for every layer what its mixer and feed-forward declare they save for backward
   (`MixerSpec.saved`, the registry; nothing here names a mixer), the block norms' fp32 inputs, and under autocast
   the bf16 copy of every matmul weight that autograd keeps until that layer's backward; with `--act_ckpt` only
