@@ -1,7 +1,8 @@
 """The memory model (train/memory_model.py) against measurement (train/memory_measure.py) at tiny sizes.
 
 Tolerances: a mixer's declaration within 15% of what autograd saves in its layer; a whole training step's
-predicted peak within 12% of the live-tensor peak (single process, DDP, FSDP2) and 15% (DeepSpeed ZeRO-2/3).
+predicted peak within 12% of the live-tensor peak (single process, DDP, FSDP2, a --pp 2 pipeline stage, a --ep 2
+expert shard) and 15% (DeepSpeed stage 0 and ZeRO-1/2/3).
 """
 
 from __future__ import annotations
@@ -80,10 +81,16 @@ def test_single_process_prediction_within_12_percent_of_measured(fields):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,tol", [(dict(strategy="ddp"), 0.12), (dict(strategy="fsdp"), 0.12),
+                                          (dict(strategy="ddp", pp=2), 0.12),
+                                          (dict(strategy="ddp", ep=2, moe="4:2"), 0.12),
+                                          (dict(strategy="deepspeed", zero_stage=0), 0.15),
+                                          (dict(strategy="deepspeed", zero_stage=1), 0.15),
                                           (dict(strategy="deepspeed", zero_stage=2), 0.15),
                                           (dict(strategy="deepspeed", zero_stage=3), 0.15)],
-                         ids=["ddp", "fsdp2", "zero2", "zero3"])
+                         ids=["ddp", "fsdp2", "pp2", "ep2", "zero0", "zero1", "zero2", "zero3"])
 def test_two_rank_prediction_matches_measured_peak(strategy, tol):
+    """Every strategy at 2 ranks: a pipeline stage (--pp 2: each rank holds 4 of the 8 blocks), an expert-parallel
+    shard (--ep 2: 2 of the 4 experts per rank), DeepSpeed without ZeRO (stage 0) and ZeRO-1/2/3."""
     pytest.importorskip("deepspeed") if strategy["strategy"] == "deepspeed" else None
     fields = dict(train_data_dir="synthetic", vocab_size=2048, train_model="transformer", depth=8, ar=32,
                   ctx_len=256, micro_bsz=1, max_tokens=1e7, base_hps={"b0": 512}, **strategy)

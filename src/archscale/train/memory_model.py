@@ -8,7 +8,9 @@
   bf16-mixed, the root (embedding, head) for the whole forward and backward; DeepSpeed ZeRO keeps bf16 weights:
   stage 0 20, stage 1 4 + 12/N, stage 2 2 + 14/N, stage 3 16/N B/param (Rajbhandari et al. 2020; measured in
   `benchmarks/zero_stages.py`), plus its reduce / all-gather buckets; offload moves the fp32 states to the host;
-  a pipeline stage holds its own blocks (`--pp`), an expert-parallel rank 1/ep of the experts (`--ep`);
+  a pipeline stage holds its own blocks (`--pp`), an expert-parallel rank 1/ep of the experts (`--ep`); which
+  gradients live between steps (`grads_between_steps`: DeepSpeed stage 0's only in the step) and the clip's
+  buffers (`clip_buffers`: `--ep`'s float64 norm of the expert gradients);
 - activations: for every layer what its mixer and feed-forward declare they save for backward
   (`MixerSpec.saved`, the registry; nothing here names a mixer), the block norms' fp32 inputs, and under autocast
   the bf16 copy of every matmul weight that autograd keeps until that layer's backward; with `--act_ckpt` only
@@ -50,6 +52,7 @@ ALLOCATOR_FACTOR_CUDA = 1.10  # CUDA caching allocator: reserved / allocated at 
 LOGIT_BYTES = 14  # plain loss, per token x vocab entry: bf16 logits, fp32 log-softmax and two fp32 gradients
 RECOMPUTE_FACTOR = 2.0  # --act_ckpt: a recomputed block's saved bytes x this while backward runs through it
 BUCKET_ELEMENTS = 20_000_000  # DeepSpeed's reduce / all-gather bucket (deepspeed_engine.BUCKET_ELEMENTS)
+CLIP_EP_BYTES = 4 + 8 + 8  # --ep clip, per local expert weight: fp32 flat copy, its float64 copy and square
 
 
 def parse_bytes(text: str) -> int:
@@ -133,7 +136,10 @@ def parameter_counts(model_cfg: ModelConfig, shape: RunShape) -> dict[str, float
     stage = math.ceil(len(blocks) / max(1, shape.pp))  # a pipeline stage's share of the blocks
     own_blocks = sum(sorted(blocks, reverse=True)[:stage]) if shape.pp > 1 else sum(blocks)
     own_cast = sum(sorted(block_cast, reverse=True)[:stage]) if shape.pp > 1 else sum(block_cast)
-    return {"params": own_blocks + root, "cast": own_cast + head, "block": max(blocks), "root": root}
+    # this rank's expert weights (1/ep of every MoE layer's, in its stage's share of the blocks)
+    own_experts = sum(p.numel() for p in model.parameters() if id(p) in experts) / shape.ep * stage / len(blocks)
+    return {"params": own_blocks + root, "cast": own_cast + head, "block": max(blocks), "root": root,
+            "experts": own_experts}
 
 
 def model_states(counts: dict[str, float], shape: RunShape) -> dict[str, float]:
@@ -155,14 +161,37 @@ def model_states(counts: dict[str, float], shape: RunShape) -> dict[str, float]:
     return out
 
 
+def grads_between_steps(states: dict[str, float], counts: dict[str, float], shape: RunShape) -> float:
+    """Bytes of gradients alive from one step to the next (so at the start of backward too).
+
+    DDP's gradients are views into its all-reduce buckets, which live on; but with `--ep` the expert weights are
+    DTensors DDP ignores, and their gradients are set to None after each step (`zero_grad(set_to_none=True)`).
+    DeepSpeed stage 0 under bf16/fp16 (DeepSpeed's FP16_UnfusedOptimizer: our AdamW is not its FusedAdam) makes
+    the half-precision gradients in backward and their fp32 copies in its step, and frees both after it: none
+    between steps. ZeRO-1/2/3 keep their gradient partitions and buckets."""
+    if shape.strategy == "ddp":
+        return states["grads"] - 4 * counts["experts"] * (shape.ep > 1)
+    if shape.strategy == "deepspeed":
+        return 0.0 if shape.zero_stage == 0 and shape.precision != "fp32" else states["grads"]
+    return 0.0
+
+
+def clip_buffers(counts: dict[str, float], shape: RunShape) -> float:
+    """Bytes the gradient clip makes on top of the gradients. `--ep`: `ExpertParallel.clip` concatenates the
+    local expert gradients into one fp32 tensor (4 B/param) and takes its squared norm in float64 (`.double()`,
+    then `.square()`: two 8 B/param temporaries alive together): CLIP_EP_BYTES per local expert weight. The
+    dense clip (`clip_grad_norm_`) makes only per-tensor norms."""
+    return CLIP_EP_BYTES * counts["experts"] if shape.ep > 1 else 0.0
+
+
 def zero_states(P: float, N: int, shape: RunShape) -> dict[str, float]:
     """DeepSpeed ZeRO's per-rank model states (bf16 weights, fp32 master + moments + fp32 gradient partition)."""
     stage, half = shape.zero_stage, 2 if shape.precision != "fp32" else 4
     master = 0.0 if shape.offload != "none" else (12 if half == 2 else 8)
     bucket = min(BUCKET_ELEMENTS, P)
-    if stage == 0:
-        return {"params": half * P, "grads": (half + 4) * P, "optimizer": master * P, "unsharded_params": 0.0,
-                "comm_buckets": 0.0}
+    if stage == 0:  # no ZeRO optimizer; bf16/fp16: half-precision gradients and their fp32 copies in the step
+        return {"params": half * P, "grads": (half + 4 if half == 2 else 4) * P, "optimizer": master * P,
+                "unsharded_params": 0.0, "comm_buckets": 0.0}
     grads = {1: half * P, 2: half * P / N, 3: half * P / N}[stage]
     # plus the fp32 gradient partition every stage keeps (DeepSpeed's own estimators count it too)
     return {"params": half * P / (N if stage == 3 else 1), "grads": grads + 4 * P / N,
@@ -236,18 +265,19 @@ def predict_memory(model_cfg: ModelConfig, shape: RunShape, alloc_factor: Option
     acts = activations(model_cfg, shape, counts)
     logits = loss_buffers(model_cfg, shape)
     resident = states["params"] + states["optimizer"] + states["unsharded_params"] + states["comm_buckets"]
-    grads_between = states["grads"] if shape.strategy in ("ddp", "deepspeed") else 0.0  # kept between steps
+    grads_between = grads_between_steps(states, counts, shape)
     # a checkpointed block is recomputed after the loss's buffers are freed: the larger of the two counts
     transient = max(logits, acts["recompute"])
     backward = resident + grads_between + acts["activations"] + acts["weight_copies"] + transient
-    optimizer = resident + states["grads"]
+    clip = clip_buffers(counts, shape)
+    optimizer = resident + states["grads"] + clip
     factor = alloc_factor if alloc_factor is not None else (ALLOCATOR_FACTOR_CUDA if shape.device == "cuda" else 1.0)
     live = max(backward, optimizer)
     # the breakdown is the peak moment's: at the start of backward only the gradients kept between steps exist;
     # at the optimizer step the activations and the loss's buffers are gone
     at = ({**states, "grads": grads_between, **acts, "logits": logits if logits >= acts["recompute"] else 0.0,
-           "recompute": acts["recompute"] if acts["recompute"] > logits else 0.0} if backward >= optimizer else
-          {**states, "activations": 0.0, "weight_copies": 0.0, "recompute": 0.0, "logits": 0.0})
+           "recompute": acts["recompute"] if acts["recompute"] > logits else 0.0, "clip": 0.0} if backward >= optimizer else
+          {**states, "activations": 0.0, "weight_copies": 0.0, "recompute": 0.0, "logits": 0.0, "clip": clip})
     return {"breakdown_bytes": {**at, "allocator": live * (factor - 1.0)},
             "peak_bytes": live * factor, "peak_at": "backward" if backward >= optimizer else "optimizer step",
             "allocator_factor": factor, "params_per_rank": counts["params"]}
