@@ -321,7 +321,7 @@ class PipelineStrategy(Strategy):
 
     def build_model(self, factory: Callable[[], nn.Module]) -> nn.Module:
         """Memory savers on the full model, then this rank's stages (FQNs unchanged)."""
-        from archscale.ops.cross_entropy import select_loss
+        from archscale.kernels.cross_entropy import select_loss
 
         model = factory().to(self.layout.device)
         if self.cfg.act_ckpt:

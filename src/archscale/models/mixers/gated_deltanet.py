@@ -143,8 +143,7 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         if doc_ids is not None and state is not None:
             raise ValueError("doc_ids is for training-style forwards, not for decoding with a state")
-        # one product for q|k|v (the three weights side by side): no cat of activations, one gemm each way
-        qkv = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))  # (B, T, C)
+        qkv = self._qkv(x)  # (B, T, C)
         qkv = self._conv(qkv, state, doc_ids)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = (t.reshape(B, T, self.num_heads, self.head_k_dim) for t in (q, k))
@@ -168,6 +167,14 @@ class GatedDeltaNet(nn.Module):
         o = o.reshape(B, T, self.value_dim)
         memory = o if self.gmu_save else None
         return self.o_proj(self.norm(o, self.g_proj(x))), memory
+
+    def _qkv(self, x: Tensor) -> Tensor:
+        """q|k|v in one product (the three weights side by side: one gemm each way); weights that are tensor
+        subclasses (a quantized export's) cannot be concatenated, so they run as three projections."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if all(type(p.weight) in (nn.Parameter, Tensor) for p in projs):
+            return F.linear(x, torch.cat([p.weight for p in projs]))
+        return torch.cat([p(x) for p in projs], dim=-1)
 
     def _weights(self, dtype: torch.dtype) -> Tensor:
         """The three depthwise conv kernels stacked like the q|k|v channels: (2 key_dim + value_dim, taps)."""
