@@ -13,6 +13,7 @@ model and its vector flags are printed first.
     .venv/bin/python benchmarks/arch_throughput.py                                   # transformer vs mamba, d4
     .venv/bin/python benchmarks/arch_throughput.py --archs transformer,mamba,samba,sambay --rounds 6
     ARCHSCALE_SCAN_IMPL=chunked .venv/bin/python benchmarks/arch_throughput.py       # Mamba on the PyTorch scan
+    ARCHSCALE_HOST_ALLOC=system .venv/bin/python benchmarks/arch_throughput.py       # glibc's default malloc
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from archscale.config import ModelConfig
+from archscale.host_alloc import describe as describe_host_alloc
 from archscale.models import GPT, accounting
 from archscale.train.metrics import measure_matmul_flops
 
@@ -94,6 +96,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=4, help="timed rounds (one step per model each)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = p.parse_args(argv)
+    host_alloc = describe_host_alloc()  # before the models: their buffers come from the allocator it sets up
     if a.threads:
         torch.set_num_threads(a.threads)
     archs = a.archs.split(",")
@@ -101,7 +104,7 @@ def main(argv=None) -> None:
     x = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=torch.Generator().manual_seed(0))
     print(f"{cpu_description()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads, B{a.batch} x "
           f"T{a.seq}, vocab {a.vocab}, fp32, scan impl {os.environ.get('ARCHSCALE_SCAN_IMPL', 'auto')}; "
-          f"load avg {os.getloadavg()[0]:.2f}")
+          f"load avg {os.getloadavg()[0]:.2f}\n{host_alloc}")
     for name, (model, opt, body) in models.items():
         print(f"  {name}_d{a.depth}: {body / 1e6:.2f}M non-embedding parameters")
         step(model, opt, x)  # warm-up (and the C++ scan's first-use build)

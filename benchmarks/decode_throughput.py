@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from archscale.host_alloc import describe as describe_host_alloc
 from archscale import GPT, ModelConfig
 from archscale.models.cache import InferenceCache, KVCache, WindowKVCache
 
@@ -242,6 +243,7 @@ def main() -> None:
                    help="time an older models/cache.py's sliding-window append against today's, and exit")
     p.add_argument("--sampling", action="store_true", help="time the serving engine's per-step sampling, and exit")
     a = p.parse_args()
+    print(describe_host_alloc())  # before any tensor (every model runs under it)
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.sampling:

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from archscale.host_alloc import describe as describe_host_alloc
 from archscale.kernels.gated_delta import gated_delta_rule
 
 
@@ -74,6 +75,7 @@ def main():
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = p.parse_args()
+    print(describe_host_alloc())  # before any tensor (both kernels run under it)
     if a.threads:
         torch.set_num_threads(a.threads)
     x, w = inputs(a.batch, a.seq, a.heads, a.k, a.v)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from archscale.host_alloc import describe as describe_host_alloc
 from archscale.kernels import ssd as ssd_module
 from archscale.models.mixers.mamba2 import Mamba2
 from archscale.models.norm import RMSNorm
@@ -148,6 +149,7 @@ def main(argv=None) -> None:
     import transformers
 
     args = parse(argv)
+    host_alloc = describe_host_alloc()  # before any tensor (both models run under it)
     if args.torch_chunk:
         ssd_module.TORCH_CHUNK = args.torch_chunk
     dtype = DTYPES[args.dtype]
@@ -163,7 +165,7 @@ def main(argv=None) -> None:
           f"{platform.machine()}; L={args.layers} d={args.width} V={args.vocab} B={args.batch} T={args.seq} "
           f"{args.dtype}; chunk_size {args.chunk_size}, our torch chunk {ssd_module.TORCH_CHUNK}, scan "
           f"{args.scan_impl}; {args.warmup} warmup, {args.rounds} rounds x {args.steps} steps; "
-          f"load avg {_loadavg()}")
+          f"load avg {_loadavg()}\n{host_alloc}")
     for r in runners:
         print(f"  {r.name:5s} {counts[r.name] / 1e6:6.2f}M params", flush=True)
     tokens = args.batch * args.seq

@@ -292,6 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"archscale: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from archscale.host_alloc import tune_host_allocator
+
+    tune_host_allocator()  # before any tensor: CPU steps reuse freed pages instead of faulting them in again
     try:
         return COMMANDS[name][1](rest)
     except UserError as e:

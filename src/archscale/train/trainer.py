@@ -29,6 +29,7 @@ from archscale.layout import LayoutSpec, layer_label
 from archscale.data.loader import GlobalOrderLoader, load_mixture, prefetching, read_manifest, validation_batches
 from archscale.data.synthetic import SyntheticLoader, synthetic_kind, synthetic_validation_batches
 from archscale.errors import NonFiniteError, UserError
+from archscale.host_alloc import tune_host_allocator
 from archscale.models.model import GPT
 from archscale.scaling_rules import RoleRule, resolve_batch_and_lr, resolve_parametrization, tokens_for_params
 from archscale.train import checkpoint as ckpt
@@ -519,6 +520,7 @@ def pretrain(cfg: PretrainConfig, explicit: set[str] = frozenset(),
         print_dry_run(cfg, explicit)
         return None
     validate(cfg)  # before any process group exists, so bad flags fail fast everywhere
+    tune_host_allocator()  # a library call skips the CLI's: CPU steps reuse freed pages (host_alloc.py)
     env = setup_distributed(run_strategy(cfg))
     try:
         trainer = Trainer(cfg, set(explicit), env, log if env.is_main else (lambda msg: None))
