@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from archscale.config import ARCHITECTURES
-from archscale.serve.batching import BatchState, decode_step, prefill
+from archscale.serve.batching import BatchState, decode_step, prefill, prefill_batch
 from serving_fixtures import make_run, running_server, tiny_model, tiny_tokenizer
 
 PROMPTS = ["Lords and Commons of England", "books are not absolutely dead things", "Truth", "a licensing order"]
@@ -87,6 +87,81 @@ def test_decode_step_equals_the_model_alone(arch):
         assert got[i][0][:9] == refs[i][0]
         for a, b in zip(got[i][1], refs[i][1]):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_batched_prefill_equals_each_prompt_alone(arch):
+    """Three prompts of 7 tokens (longer than the window of 5) prefilled as one batch, each row inserted into its
+    own slot (in another order) and decoded together for 6 steps: every row gives the logits of decoding its
+    prompt alone (1e-5) and the same greedy tokens. The negative control inserts one row's cache for all three."""
+    model = tiny_model(arch, 97)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 97, (7,), generator=g).tolist() for _ in range(3)]
+    refs = [reference_greedy(model, p, 6) for p in prompts]
+    logits, cache = prefill_batch(model, prompts, 20)
+
+    def decode(order):
+        batch = BatchState(model, 3)
+        toks = []
+        for i in order:
+            batch.insert(cache, i)
+            toks.append([int(logits[i].argmax())])
+        rows = [[logits[i]] for i in order]
+        for _ in range(5):
+            out = decode_step(batch, torch.tensor([t[-1] for t in toks]))
+            for r in range(3):
+                toks[r].append(int(out[r].argmax()))
+                rows[r].append(out[r])
+        return toks, rows
+
+    toks, rows = decode([2, 0, 1])
+    for r, i in enumerate([2, 0, 1]):
+        assert toks[r] == refs[i][0]
+        for a, b in zip(rows[r], refs[i][1]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    same, _ = decode([0, 0, 0])  # every slot from row 0: rows 1 and 2 would decode prompt 0
+    assert same[1] == refs[0][0] and (refs[1][0] != refs[0][0] or refs[2][0] != refs[0][0])
+
+
+def test_burst_of_equal_prompts_is_prefilled_together_and_matches_alone(tok, monkeypatch):
+    """Eight requests submitted at once (two prompts, four each) are admitted in one batched prefill per prompt
+    length and complete exactly as when sent alone; when a batched prefill fails, its prompts are prefilled alone
+    and still complete (a failure there harms no request)."""
+    from archscale.serve import engine as engine_mod
+
+    model = tiny_model("sambay", tok.vocab_size)
+    prompts = [PROMPTS[0], PROMPTS[1]] * 4
+    body = dict(max_tokens=6, temperature=0, ignore_eos=True)
+    with running_server(model, tok, max_model_len=256, max_batch=8) as (url, engine):
+        with httpx.Client(base_url=url, timeout=60) as c:
+            alone = {p: complete(c, prompt=p, **body)["choices"][0]["text"] for p in PROMPTS[:2]}
+        for failing in (False, True):
+            if failing:
+                monkeypatch.setattr(engine_mod, "prefill_batch", lambda *a, **k: 1 / 0)
+            before = engine.stats()["batched_prefills"]
+            texts = burst(engine, tok, prompts, body)
+            assert texts == [alone[p] for p in prompts], failing
+            assert engine.stats()["batched_prefills"] - before == (0 if failing else 2)
+
+
+def burst(engine, tok, prompts, body) -> list[str]:
+    """Submit every prompt to the engine in one call (so they are admitted together); their completed texts."""
+    from archscale.serve.engine import SamplingParams, Sequence
+
+    done = [threading.Event() for _ in prompts]
+    texts = [""] * len(prompts)
+
+    def emit(i):
+        def on_event(ev):
+            texts[i] += ev.text
+            if ev.finish_reason is not None:
+                done[i].set()
+        return on_event
+
+    engine.submit([Sequence(tok.encode(p, eos=False), SamplingParams(**body), emit(i))
+                   for i, p in enumerate(prompts)])
+    assert all(d.wait(60) for d in done)
+    return texts
 
 
 def complete(client, **body):

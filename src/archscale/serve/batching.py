@@ -3,7 +3,9 @@
 `GPT.forward(idx, cache=...)` decodes a batch whose rows share one position. A server wants rows that joined at
 different times (different prompt lengths, different numbers of generated tokens) in one step. So:
 
-- each request is prefilled alone through `GPT.forward` with its own `InferenceCache` (exactly the model's path);
+- each request is prefilled through `GPT.forward` with its own `InferenceCache` (exactly the model's path); prompts
+  of one length that arrive together are prefilled as one batch (`prefill_batch`: rows are independent in the
+  model's arithmetic, so each row's cache is what it would be alone), and row i of that cache becomes a slot;
 - its per-layer state is then copied into one row ("slot") of `BatchState`, which keeps every layer's state for
   all active rows stacked on dim 0: K/V buffers padded to the longest row (full attention, sliding windows and the
   YOCO KV layer alike; zeros where a row has no key yet), and recurrent states (Mamba's conv + SSM state, or any
@@ -46,13 +48,13 @@ class _SlotKV:
             self.k, self.v = torch.cat([self.k, pad], 2), torch.cat([self.v, pad.clone()], 2)
 
     def insert(self, row: int, k: torch.Tensor, v: torch.Tensor, end: int) -> None:
-        """k, v (1, G, n, hd): the row's keys for positions end-n .. end-1."""
-        n = k.shape[2]
+        """k, v (G, n, hd): the row's keys for positions end-n .. end-1."""
+        n = k.shape[1]
         self.ensure(end)
         self.k[row].zero_()
         self.v[row].zero_()
-        self.k[row, :, end - n:end] = k[0]
-        self.v[row, :, end - n:end] = v[0]
+        self.k[row, :, end - n:end] = k
+        self.v[row, :, end - n:end] = v
 
     def move(self, src: int, dst: int) -> None:
         self.k[dst], self.v[dst] = self.k[src], self.v[src]
@@ -86,9 +88,9 @@ class _SlotRecurrent:
         self.names = [f.name for f in dataclasses.fields(state)]
         self.bufs = {n: getattr(state, n).new_zeros(slots, *getattr(state, n).shape[1:]) for n in self.names}
 
-    def insert(self, row: int, state: Any) -> None:
+    def insert(self, row: int, state: Any, index: int) -> None:
         for n in self.names:
-            self.bufs[n][row] = getattr(state, n)[0]
+            self.bufs[n][row] = getattr(state, n)[index]
 
     def move(self, src: int, dst: int) -> None:
         for n in self.names:
@@ -134,8 +136,9 @@ class BatchState:
         self.kv: dict[int, _SlotKV] = {}
         self.recurrent: dict[int, _SlotRecurrent] = {}
 
-    def insert(self, cache: InferenceCache) -> int:
-        """Add a prefilled sequence (its own cache, batch 1); returns its row."""
+    def insert(self, cache: InferenceCache, index: int = 0) -> int:
+        """Add a prefilled sequence: row `index` of `cache` (a prefill's own cache, or one row of
+        `prefill_batch`'s); returns its slot."""
         if self.rows >= self.slots:
             raise RuntimeError("no free slot")
         row, end = self.rows, cache.pos
@@ -146,11 +149,11 @@ class BatchState:
                 if idx not in self.kv:
                     window = state.keep + 1 if isinstance(state, WindowKVCache) else 0
                     self.kv[idx] = _SlotKV(k, self.slots, window)
-                self.kv[idx].insert(row, k, v, end)
+                self.kv[idx].insert(row, k[index], v[index], end)
             elif dataclasses.is_dataclass(state):
                 if idx not in self.recurrent:
                     self.recurrent[idx] = _SlotRecurrent(state, self.slots)
-                self.recurrent[idx].insert(row, state)
+                self.recurrent[idx].insert(row, state, index)
             else:
                 raise NotImplementedError(f"layer {idx}: cannot batch a decode state of type {type(state).__name__}")
         self.rows += 1
@@ -215,3 +218,16 @@ def prefill(model, ids: list[int], capacity: int, all_logits: bool = False) -> t
     cache = InferenceCache(capacity=capacity)
     logits = model(torch.tensor([ids], device=device), cache=cache, last_only=not all_logits)
     return logits[0], cache
+
+
+@torch.no_grad()
+def prefill_batch(model, prompts: list[list[int]], capacity: int) -> tuple[torch.Tensor, InferenceCache]:
+    """Prompts of one length through the model's own cached path as one batch: (each row's last logits
+    (rows, vocab), the batch's cache, whose row i `BatchState.insert(cache, i)` takes). One forward reads every
+    weight once for all rows, where prefilling them alone reads the weights once per prompt."""
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("prefill_batch: the prompts must have one length")
+    device = next(model.parameters()).device
+    cache = InferenceCache(capacity=capacity)
+    logits = model(torch.tensor(prompts, device=device), cache=cache, last_only=True)
+    return logits[:, -1], cache

@@ -1,6 +1,7 @@
 """The scheduler: one thread that owns the model and decodes every active sequence together.
 
-Each loop iteration admits waiting sequences into free slots (prefilled alone, then stacked into the batch:
+Each loop iteration admits waiting sequences into free slots (prompts of one length prefilled together as one
+batch, up to `PREFILL_TOKENS` tokens a forward, the others alone; then stacked into the batch:
 `batching.BatchState`), drops cancelled ones, and runs one `decode_step` for all active rows; a row leaves as soon
 as it finishes (EOS, a stop string, max_tokens, or its client went away), so requests join and leave at token
 boundaries. Sampling is per row (its own temperature / top-k / top-p / repetition penalty / seeded generator), with
@@ -24,7 +25,9 @@ from typing import Callable
 import torch
 
 from archscale.models.generation import sample_next
-from archscale.serve.batching import BatchState, decode_step, prefill
+from archscale.serve.batching import BatchState, decode_step, prefill, prefill_batch
+
+PREFILL_TOKENS = 8192  # the most prompt tokens one batched prefill forward takes (bounds its activations)
 
 
 class QueueFull(Exception):
@@ -104,6 +107,7 @@ class Engine:
         self.thread = threading.Thread(target=self._loop, name="archscale-engine", daemon=True)
         self.steps = 0  # decode steps run
         self.peak_rows = 0  # most rows ever decoded in one step (shows batching happened)
+        self.batched_prefills = 0  # forwards that prefilled several prompts at once
 
     # ------------------------------------------------------------------------------------------------ control
     def start(self) -> "Engine":
@@ -134,7 +138,7 @@ class Engine:
 
     def stats(self) -> dict:
         return {"active": len(self.rows), "waiting": len(self.waiting), "slots": self.max_batch, "steps": self.steps,
-                "peak_batch": self.peak_rows}
+                "peak_batch": self.peak_rows, "batched_prefills": self.batched_prefills}
 
     def _warmup(self) -> None:
         """Prefill and batch one short sequence at startup, so an unbatchable layer state fails now, not later."""
@@ -155,9 +159,7 @@ class Engine:
                         break
                     admit = [self.waiting.popleft() for _ in range(min(len(self.waiting),
                                                                           self.max_batch - len(self.rows)))]
-                for seq in admit:
-                    if not seq.cancelled:
-                        self._guarded([seq], self._admit, seq)
+                self._admit_all([seq for seq in admit if not seq.cancelled])
                 self._drop_finished()
                 if self.rows:
                     self._guarded(list(self.rows), self._step)
@@ -173,19 +175,61 @@ class Engine:
             for seq in seqs:
                 self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
 
+    def _admit_all(self, seqs: list[Sequence]) -> None:
+        """Prefill `seqs` and give each a slot. Prompts of one length go through one batched forward (a burst of
+        clients is then one weight read, not one per prompt), in groups of at most PREFILL_TOKENS tokens; echo
+        requests (which want the prompt's own logits) and lone lengths go alone. A batched prefill that fails is
+        retried prompt by prompt, so a request still fails only itself."""
+        by_length: dict[int, list[Sequence]] = collections.defaultdict(list)
+        for seq in seqs:
+            if seq.params.echo:
+                self._guarded([seq], self._admit, seq)
+            else:
+                by_length[len(seq.prompt_ids)].append(seq)
+        for length, group in by_length.items():
+            per_forward = max(1, PREFILL_TOKENS // max(1, length))
+            for i in range(0, len(group), per_forward):
+                part = group[i:i + per_forward]
+                if len(part) == 1:
+                    self._guarded(part, self._admit, part[0])
+                    continue
+                try:
+                    self._admit_batch(part)
+                except Exception:  # noqa: BLE001 - find the request at fault: each alone
+                    for seq in part:
+                        self._guarded([seq], self._admit, seq)
+
+    def _seed(self, seq: Sequence) -> None:
+        p = seq.params
+        seq.generator = torch.Generator(device=self.device).manual_seed(
+            p.seed if p.seed is not None else secrets.randbits(63))
+
     def _admit(self, seq: Sequence) -> None:
         p = seq.params
-        seed = p.seed if p.seed is not None else secrets.randbits(63)
-        seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._seed(seq)
         want_prompt_lp = p.echo and p.logprobs is not None
         with self.autocast():
             logits, cache = prefill(self.model, seq.prompt_ids, len(seq.prompt_ids) + p.max_tokens,
                                     all_logits=want_prompt_lp)
         if p.echo:
             self._echo(seq, logits if want_prompt_lp else None)
-        self._accept(seq, logits[-1])
+        self._start(seq, logits[-1], cache, 0)
+
+    def _admit_batch(self, seqs: list[Sequence]) -> None:
+        """Prompts of one length prefilled in one forward; row i of its cache is seqs[i]'s."""
+        capacity = max(len(s.prompt_ids) + s.params.max_tokens for s in seqs)
+        with self.autocast():
+            logits, cache = prefill_batch(self.model, [s.prompt_ids for s in seqs], capacity)
+        self.batched_prefills += 1
+        for i, seq in enumerate(seqs):
+            self._seed(seq)
+            self._guarded([seq], self._start, seq, logits[i], cache, i)
+
+    def _start(self, seq: Sequence, logits: torch.Tensor, cache, index: int) -> None:
+        """The first token from the prompt's last logits; an unfinished sequence takes a slot."""
+        self._accept(seq, logits)
         if seq.finish_reason is None:
-            self.batch.insert(cache)
+            self.batch.insert(cache, index)
             self.rows.append(seq)
 
     def _step(self) -> None:
