@@ -23,8 +23,10 @@ class ServedModel:
 
 
 def load_served_model(checkpoint: str, tokenizer: str | None = None, device: str | None = None,
-                      precision: str = "fp32", name: str | None = None) -> ServedModel:
-    """A run dir / checkpoints dir / step dir, through the evaluation loader.
+                      precision: str = "fp32", name: str | None = None, pack_weights: str = "auto") -> ServedModel:
+    """A run dir / checkpoints dir / step dir, through the evaluation loader. With `pack_weights` "auto" an fp32
+    model on the CPU gets its linear weights pre-packed for oneDNN (`kernels/packed_linear.py`: decode steps
+    1.3x faster, one more copy of those weights in memory); "off" keeps PyTorch's plain linears.
 
     This is the one place `serve` (and `reason --checkpoint`) turns a path into a model: an exported HF folder
     (config.json + model.safetensors + tokenizer.json) plugs in here as a second branch once `archscale export
@@ -32,6 +34,10 @@ def load_served_model(checkpoint: str, tokenizer: str | None = None, device: str
     from archscale.eval.loading import load_eval_model
 
     em = load_eval_model(checkpoint, device=device, tokenizer=tokenizer, precision=precision)
+    if pack_weights == "auto" and precision == "fp32" and em.device.type == "cpu":
+        from archscale.kernels.packed_linear import pack_linears
+
+        pack_linears(em.model)
     run = em.run_dir if em.run_dir is not None else Path(checkpoint)
     return ServedModel(em.model, em.tokenizer, name or Path(run).resolve().name, em.train_len, em.autocast)
 
@@ -57,6 +63,9 @@ def serve_parser() -> argparse.ArgumentParser:
                    help="prompt + max_tokens limit (default: the training context length)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--pack_weights", default="auto", choices=["auto", "off"],
+                   help="auto: on the CPU at fp32, pre-pack the linear weights for oneDNN (faster decode steps, "
+                        "a second copy of those weights in memory); off: PyTorch's plain linears")
     return p
 
 
@@ -69,7 +78,7 @@ def serve_main(argv: list[str]) -> int:
     a = serve_parser().parse_args(argv)
     sock = listening_socket(a.host, a.port)  # before the model loads and "serving on": a busy port is bad input
     try:
-        sm = load_served_model(a.checkpoint, a.tokenizer, a.device, a.precision, a.model_name)
+        sm = load_served_model(a.checkpoint, a.tokenizer, a.device, a.precision, a.model_name, a.pack_weights)
         engine = Engine(sm.model, sm.tokenizer, max_batch=a.max_batch, max_queue=a.max_queue,
                         max_model_len=a.max_model_len or sm.max_model_len, autocast=sm.autocast).start()
         print(f"serving {sm.name} on http://{a.host}:{sock.getsockname()[1]}/v1 ({a.max_batch} batch slots, "
