@@ -95,6 +95,9 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--rounds", type=int, default=4, help="timed rounds (one step per model each)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed steps per model first: the C++ scan's build, and the heap settling (a model's "
+                        "first steps fault in memory that later steps reuse; GDNY's took ~5 steps)")
     a = p.parse_args(argv)
     host_alloc = describe_host_alloc()  # before the models: their buffers come from the allocator it sets up
     if a.threads:
@@ -104,10 +107,11 @@ def main(argv=None) -> None:
     x = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=torch.Generator().manual_seed(0))
     print(f"{cpu_description()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads, B{a.batch} x "
           f"T{a.seq}, vocab {a.vocab}, fp32, scan impl {os.environ.get('ARCHSCALE_SCAN_IMPL', 'auto')}; "
-          f"load avg {os.getloadavg()[0]:.2f}\n{host_alloc}")
+          f"{a.warmup} warm-up steps per model; load avg {os.getloadavg()[0]:.2f}\n{host_alloc}")
     for name, (model, opt, body) in models.items():
         print(f"  {name}_d{a.depth}: {body / 1e6:.2f}M non-embedding parameters")
-        step(model, opt, x)  # warm-up (and the C++ scan's first-use build)
+        for _ in range(a.warmup):
+            step(model, opt, x)
     wall, cpu, peaks = timed_rounds(models, archs, x, a.rounds)
     report(models, archs, a, wall, cpu, peaks)
 

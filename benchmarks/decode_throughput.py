@@ -14,8 +14,10 @@ GDN-Y (`--bound_archs`) at batch 1 / 8 / 32 and context 2K / 8K / 16K, the bytes
 but the embedding table, whose B rows are counted; plus each layer's cache as the model's own `InferenceCache`
 holds it: a full layer's K/V up to the context, a window's kept K/V, a recurrent state, and the one YOCO K/V once
 per layer that attends to it), a read-bandwidth probe (`torch.sum` over 512 MiB, timed in the same process right
-before each measurement), the measured step (median of `--steps` greedy single-token steps) and the bound's share
-of it (bytes / bandwidth / step time). The caches are filled to the context without a prefill (timing does not
+before each measurement), the measured step (median of `--steps` greedy single-token steps) with PyTorch's plain
+linears and with the weights pre-packed for oneDNN as `archscale serve` runs them (`kernels/packed_linear.py`;
+both on the same cache, the order alternating), and the bound's share of the packed step (bytes / bandwidth /
+step time). The caches are filled to the context without a prefill (timing does not
 depend on the values: the prompt's first 64 positions' K/V are tiled), so 16K x 32 costs no 16K prefill.
 
     python benchmarks/decode_throughput.py --bound --threads 1
@@ -26,6 +28,7 @@ depend on the values: the prompt's first 64 positions' K/V are tiled), so 16K x 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import time
@@ -34,6 +37,7 @@ import torch
 
 from archscale.host_alloc import describe as describe_host_alloc
 from archscale import GPT, ModelConfig
+from archscale.kernels.packed_linear import pack_linears
 from archscale.models.cache import InferenceCache, KVCache, WindowKVCache
 
 
@@ -116,18 +120,21 @@ def cache_batch(cache: InferenceCache) -> int:
 
 
 @torch.no_grad()
-def bound_row(models: dict[str, GPT], batch: int, ctx: int, a, buf: torch.Tensor) -> dict[str, dict]:
-    """One (batch, context) point for every model: bytes, bandwidth, step time (medians over alternating rounds)."""
-    res = {name: {"step": [], "bw": []} for name in models}
+def bound_row(models: dict[str, GPT], packed: dict[str, GPT], batch: int, ctx: int, a,
+              buf: torch.Tensor) -> dict[str, dict]:
+    """One (batch, context) point for every model: bytes, bandwidth, step time with plain and with packed linears
+    on the same cache (medians over rounds that alternate the models and the two variants)."""
+    res = {name: {"step": [], "dense": [], "bw": []} for name in models}
     for r in range(a.rounds):
         for name in (list(models) if r % 2 == 0 else list(models)[::-1]):
-            cache = filled_cache(models[name], batch, ctx, a.steps + 1)
+            cache = filled_cache(models[name], batch, ctx, 2 * a.steps + 1)
             res[name]["bytes"] = step_bytes(models[name], cache, batch)
             res[name]["bw"].append(read_bandwidth(buf))
-            res[name]["step"].append(time_steps(models[name], cache, a.steps))
+            for key, m in (("dense", models[name]), ("step", packed[name]))[::1 if r % 2 == 0 else -1]:
+                res[name][key].append(time_steps(m, cache, a.steps))
             del cache
     for v in res.values():
-        v["step"], v["bw"] = statistics.median(v["step"]), statistics.median(v["bw"])
+        v["step"], v["dense"], v["bw"] = (statistics.median(v[k]) for k in ("step", "dense", "bw"))
         v["total"] = sum(v["bytes"].values())
         v["frac"] = v["total"] / v["bw"] / v["step"]
     return res
@@ -142,16 +149,19 @@ def print_bound(a) -> None:
               f"{m.config.layer_kinds}, SWA window {m.config.sliding_window or '-'}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, vocab {a.vocab}, median of {a.steps} "
           f"steps, median of {a.rounds} alternating rounds, load average {_load()}\n")
+    packed = {name: copy.deepcopy(m) for name, m in models.items()}
+    swapped = {name: pack_linears(m) for name, m in packed.items()}
+    print(f"packed linears per model: {swapped}")
     buf = torch.ones(128 << 20)  # 512 MiB: far past any cache level
     ref = list(models)[0]
     others = list(models)[1:]
     head = " | ".join(f"{o} / {ref} measured | bytes" for o in others)
-    print(f"| batch | context | model | MB read / step (weights + KV + window + state) | probe GB/s | step ms | "
-          f"bound ms | % of bound | {head} |")
-    print("|---:|---:|---|---|---:|---:|---:|---:|" + "---:|---:|" * len(others))
+    print(f"| batch | context | model | MB read / step (weights + KV + window + state) | probe GB/s | step ms plain "
+          f"| step ms packed | bound ms | % of bound (packed) | {head} |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|" + "---:|---:|" * len(others))
     for batch in [int(x) for x in a.batches.split(",")]:
         for ctx in [int(x) for x in a.contexts.split(",")]:
-            res = bound_row(models, batch, ctx, a, buf)
+            res = bound_row(models, packed, batch, ctx, a, buf)
             for name, v in res.items():
                 b = v["bytes"]
                 mb = " + ".join(f"{b[k] / 1e6:.1f}" for k in ("weights", "kv", "window", "recurrent"))
@@ -159,7 +169,7 @@ def print_bound(a) -> None:
                     f"{res[ref]['step'] / res[o]['step']:.2f}x | {res[ref]['total'] / res[o]['total']:.2f}x"
                     if name == o else " | " for o in others)
                 print(f"| {batch} | {ctx} | {name} | {v['total'] / 1e6:.1f} ({mb}) | {v['bw'] / 1e9:.1f} | "
-                      f"{v['step'] * 1e3:.1f} | {v['total'] / v['bw'] * 1e3:.1f} | {100 * v['frac']:.0f}% | {ratios} |",
+                      f"{v['dense'] * 1e3:.1f} | {v['step'] * 1e3:.1f} | {v['total'] / v['bw'] * 1e3:.1f} | {100 * v['frac']:.0f}% | {ratios} |",
                       flush=True)
     print(f"load average at the end: {_load()}")
 

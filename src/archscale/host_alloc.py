@@ -4,8 +4,8 @@ PyTorch's CPU tensors come from glibc's malloc. By default glibc serves each all
 32 MiB at most) threshold by a fresh `mmap` and unmaps it when the tensor is freed, and it returns the heap's
 free top to the kernel once it exceeds 128 KiB. A training step frees and re-allocates the same large buffers
 (activations, logits, gradients) every step, so every one of them is page-faulted and zero-filled by the kernel
-again: on a 2-core machine that was 20-45% of a d4 training step's wall time (the system time of the process;
-`docs/BENCHMARKS.md`, "Host allocator"). Raising both thresholds to 1 GiB makes a step reuse the pages of the
+again: on a 2-core VM that cost 8% (Transformer++) to 30% (GDNY) of a d4 training step's wall time
+(`docs/BENCHMARKS.md`, "The host allocator"). Raising both thresholds to 1 GiB makes a step reuse the pages of the
 previous one, as jemalloc / tcmalloc (which Intel and vLLM's CPU build preload) do.
 
 The cost: freed memory stays mapped (the resident size does not shrink after a peak). The live-tensor peak,

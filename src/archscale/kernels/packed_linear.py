@@ -3,8 +3,8 @@
 A decode step multiplies a few rows (one per sequence) by every weight. PyTorch's `F.linear` on CPU re-packs the
 weight into the GEMM's blocked layout on every call, which at those row counts costs as much as the product: at
 16 rows it reads the weights at ~6 GB/s on a core whose read bandwidth is ~30 GB/s (`docs/SERVING.md`). Packed
-once (`Tensor.to_mkldnn()`, the layout oneDNN's GEMM reads directly), the same product runs 1.3-2.5x faster at 1
-and at 16 rows; vLLM's CPU backend packs its weights the same way.
+once (`Tensor.to_mkldnn()`, the layout oneDNN's GEMM reads directly), the same product ran 1.1-1.8x faster at 1
+row and 1.6-1.8x at 16 (one thread, weights of 0.5-8M parameters); vLLM's CPU backend packs its weights too.
 
 `pack_linears(model)` swaps every plain `nn.Linear` of an fp32 CPU model for a `PackedLinear`, which keeps the
 dense `weight` (and `bias`) as they were, so code that reads a weight directly (a tied embedding, a fused
