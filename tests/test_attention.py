@@ -52,6 +52,32 @@ def test_attend_matches_naive_with_offsets(Tq, Tk, window):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 4])
+def test_one_query_decode_path_matches_naive_and_is_taken(monkeypatch, window):
+    """Cached decoding on CPU (one query per row, no autograd) runs `_one_query`: the naive per-query softmax to
+    1e-5, with and without a window and with a per-row key mask (rows at different lengths, as serving decodes).
+    With autograd on, SDPA takes the call instead (the path has no backward of its own)."""
+    torch.manual_seed(3)
+    calls = []
+    real = attention_kernel._one_query
+    monkeypatch.setattr(attention_kernel, "_one_query", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q, k, v = torch.randn(3, 6, 1, 8), torch.randn(3, 2, 12, 8), torch.randn(3, 2, 12, 5)
+    with torch.no_grad():
+        got = attend(q, k, v, scale=0.4, q_pos0=31, k_pos0=20, window=window)
+        lengths = torch.tensor([3, 11, 7])
+        key_mask = (torch.arange(12)[None, :] <= lengths[:, None])[:, None, None, :]
+        masked = attend(q, k, v, scale=0.4, key_mask=key_mask)
+    torch.testing.assert_close(got, naive_attention(q, k, v, 0.4, q_pos0=31, k_pos0=20, window=window),
+                               atol=1e-5, rtol=1e-5)
+    for b, n in enumerate(lengths.tolist()):
+        ref = naive_attention(q[b:b + 1], k[b:b + 1, :, :n + 1], v[b:b + 1, :, :n + 1], 0.4, q_pos0=n)
+        torch.testing.assert_close(masked[b:b + 1], ref, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2
+    q.requires_grad_(True)
+    attend(q, k, v, scale=0.4, q_pos0=31, k_pos0=20, window=window).sum().backward()
+    assert len(calls) == 2 and q.grad is not None
+
+
 def test_attend_rejects_misaligned_keys():
     q, k = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 5, 4)
     with pytest.raises(ValueError, match="keys must end"):

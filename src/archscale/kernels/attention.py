@@ -16,7 +16,10 @@ On CPU (FlexAttention has no CPU backward):
 - SDPA with `is_causal` when queries and keys cover the same positions and no window cuts in (training);
 - SDPA on non-overlapping query blocks of W against their 2W keys when a window is much shorter than the
   sequence (sliding-window training costs O(T*W), not O(T^2));
-- SDPA with an explicit boolean mask otherwise (cached decoding, chunked prefill), and for variable-length
+- one query per row (cached decoding, fp32, no autograd): two batched products and a softmax (`_one_query`),
+  which read the cache at close to the memory's rate where the CPU flash kernel, built for many queries, reached
+  a fifth of it (`docs/BENCHMARKS.md`, the decode bound); a window or a per-row key mask is applied the same way;
+- SDPA with an explicit boolean mask otherwise (chunked prefill), and for variable-length
   (document-masked) training, where the mask is also block-diagonal over documents; past
   `DENSE_DOC_MASK_MAX` positions, one causal call per document instead (no T x T mask at long context).
 
@@ -52,8 +55,31 @@ def attention_mask(tq: int, tk: int, q_pos0: int, k_pos0: int, window: int, devi
     return mask
 
 
+def _one_query(q, k, v, scale, mask=None):
+    """One query per row and head, on CPU without autograd: softmax(q k^T * scale) v as two batched products.
+    q (B, H, 1, d), k (B, G, Tk, d), v (B, G, Tk, dv); the H / G query heads of a group share its K/V (read once
+    for all of them); mask: bool, broadcastable to (B, 1, 1, Tk), True where a key is seen."""
+    B, H, _, d = q.shape
+    G, Tk = k.shape[1], k.shape[2]
+    qg = q.reshape(B, G, H // G, d)                                      # a group's query heads as rows
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)          # (B, G, H/G, Tk)
+    if mask is not None:
+        scores.masked_fill_(~mask.reshape(mask.shape[0], 1, 1, Tk), float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)                  # (B, G, H/G, dv)
+    return out.reshape(B, H, 1, v.shape[-1])
+
+
+def _takes_one_query(q, k, v, mask, causal) -> bool:
+    """Cached decoding on CPU at fp32 without autograd, with no mask or a per-key one."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (q.dim() == 4 and q.shape[-2] == 1 and q.device.type == "cpu" and q.dtype == torch.float32
+            and not causal and not grad and (mask is None or mask.shape[-2] == 1))
+
+
 def _sdpa(q, k, v, scale, mask=None, causal=False):
     """q (..., H, Tq, d), k/v (..., G, Tk, d): grouped heads read in place on CPU, expanded elsewhere."""
+    if _takes_one_query(q, k, v, mask, causal):
+        return _one_query(q, k, v, scale, mask)
     H, G = q.shape[-3], k.shape[-3]
     if H != G:
         if q.device.type == "cpu" and _SDPA_HAS_GQA:
