@@ -62,7 +62,8 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_model_len", type=positive_int, default=None,
                    help="prompt + max_tokens limit (default: the training context length)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: run under bf16 autocast (the weights stay fp32; --pack_weights applies at fp32 only)")
     p.add_argument("--pack_weights", default="auto", choices=["auto", "off"],
                    help="auto: on the CPU at fp32, pre-pack the linear weights for oneDNN (faster decode steps, "
                         "a second copy of those weights in memory); off: PyTorch's plain linears")
