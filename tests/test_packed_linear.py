@@ -32,16 +32,17 @@ def test_packed_linear_matches_f_linear(shape, bias):
     torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0)
 
 
-def test_packed_linear_falls_back_for_training_and_other_dtypes():
-    """With autograd on (training) the reference runs, so gradients flow; bf16 inputs too."""
+def test_packed_linear_falls_back_for_training_and_autocast():
+    """With autograd on (training) the reference runs, so gradients flow; under bf16 autocast too, so the product
+    is autocast's (bf16 out, F.linear's values exactly)."""
     lin = nn.Linear(8, 4)
     packed = PackedLinear(lin)
     x = torch.randn(3, 8, requires_grad=True)
     packed(x).sum().backward()
     assert x.grad is not None and lin.weight.grad is not None
-    with torch.inference_mode():
-        y = packed(torch.randn(3, 8).bfloat16().float())
-    assert y.dtype == torch.float32
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y, want = packed(x.detach()), F.linear(x.detach(), lin.weight, lin.bias)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
 
 
 def test_only_plain_fp32_linears_are_swapped():

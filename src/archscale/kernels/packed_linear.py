@@ -36,12 +36,17 @@ class PackedLinear(nn.Module):
             self.packed = linear.weight.detach().to_mkldnn()  # a plain attribute: not a parameter, not saved
 
     def forward(self, x: Tensor) -> Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad) or x.dtype != torch.float32 \
-                or x.device.type != "cpu":
+        if not self._packed_path(x):
             return F.linear(x, self.weight, self.bias)  # training, autocast or another device: the reference
         flat = x.reshape(-1, self.in_features)
         y = torch._C._nn.mkldnn_linear(flat.to_mkldnn(), self.packed, self.bias).to_dense()
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _packed_path(self, x: Tensor) -> bool:
+        """fp32 CPU inputs outside autocast and without autograd (autocast would run F.linear in bf16)."""
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and not grad
+                and not torch.is_autocast_enabled("cpu"))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
