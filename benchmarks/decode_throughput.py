@@ -35,8 +35,8 @@ import time
 
 import torch
 
-from archscale.host_alloc import describe as describe_host_alloc
 from archscale import GPT, ModelConfig
+from archscale.host_alloc import describe as describe_host_alloc
 from archscale.kernels.packed_linear import pack_linears
 from archscale.models.cache import InferenceCache, KVCache, WindowKVCache
 
@@ -169,7 +169,8 @@ def print_bound(a) -> None:
                     f"{res[ref]['step'] / res[o]['step']:.2f}x | {res[ref]['total'] / res[o]['total']:.2f}x"
                     if name == o else " | " for o in others)
                 print(f"| {batch} | {ctx} | {name} | {v['total'] / 1e6:.1f} ({mb}) | {v['bw'] / 1e9:.1f} | "
-                      f"{v['dense'] * 1e3:.1f} | {v['step'] * 1e3:.1f} | {v['total'] / v['bw'] * 1e3:.1f} | {100 * v['frac']:.0f}% | {ratios} |",
+                      f"{v['dense'] * 1e3:.1f} | {v['step'] * 1e3:.1f} | {v['total'] / v['bw'] * 1e3:.1f} | "
+                      f"{100 * v['frac']:.0f}% | {ratios} |",
                       flush=True)
     print(f"load average at the end: {_load()}")
 
