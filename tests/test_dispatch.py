@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from archscale.errors import UserError
-from archscale.kernels import attention, cross_entropy, gated_delta, selective_scan, ssd
+from archscale.kernels import attention, cross_entropy, gated_delta, selective_scan, short_conv, ssd
 from archscale.kernels.dispatch import Dispatch, Impl, KernelChoiceError, cuda_impl
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "src" / "archscale" / "kernels"
@@ -99,6 +99,15 @@ def test_the_real_kernels_on_cpu(monkeypatch):
     assert ssd.SSD.resolve("auto", x=CPU) == "chunked" and ssd.SSD.resolve("cpu", x=CPU) == "chunked"
     assert gated_delta.GATED_DELTA.resolve("auto", x=CPU) == "chunked"
     assert cross_entropy.LINEAR_CROSS_ENTROPY.resolve(x=CPU) == "chunked"
+    monkeypatch.delenv("ARCHSCALE_CONV_IMPL", raising=False)
+    monkeypatch.setattr(short_conv.scan_cpu, "available", lambda: False)
+    monkeypatch.setattr(short_conv.scan_cpu, "unavailable_reason", lambda: "no compiler")
+    assert short_conv.CONV.resolve("auto", x=CPU) == "torch"
+    with pytest.raises(KernelChoiceError, match=r"impl='cpu' needs the C\+\+ CPU module, which did not build "
+                                                r"\(no compiler\); available here: torch"):
+        short_conv.CONV.resolve("cpu", x=CPU)
+    monkeypatch.setattr(short_conv.scan_cpu, "available", lambda: True)
+    assert short_conv.CONV.resolve("auto", x=CPU) == "cpu"
     q = torch.zeros(1, 2, 8, 4)
     assert attention.ATTENTION.resolve(x=q, k=q, window=4) == "sdpa"        # flex only on CUDA in auto
     monkeypatch.setenv("ARCHSCALE_ATTN_IMPL", "flex")
@@ -120,7 +129,7 @@ def test_every_kernel_chooses_through_the_one_dispatch():
     for path in sorted(KERNELS_DIR.glob("*.py")):
         names = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
         assert "_resolve_impl" not in names, path.name
-    for mod in (selective_scan, ssd, gated_delta, attention, cross_entropy):
+    for mod in (selective_scan, ssd, gated_delta, attention, cross_entropy, short_conv):
         assert any(isinstance(v, Dispatch) for v in vars(mod).values()), mod.__name__
 
 

@@ -172,35 +172,39 @@ def fused_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor
     return y.transpose(1, 2), last
 
 
-# Mamba's causal depthwise conv + silu (the scan's input), fused in the same module.
+# The mixers' causal depthwise conv (+ silu), fused in the same module: Mamba's (the scan's input, `conv_silu`)
+# and, through kernels/short_conv.py, Mamba-2's and Gated DeltaNet's.
 @torch.library.custom_op("archscale::conv_silu_cpu_fwd", mutates_args=())
-def _conv_fwd(x: Tensor, wT: Tensor, bias: Tensor) -> Tensor:
-    return _load().conv_silu_forward(x, wT, bias, torch.get_num_threads())
+def _conv_fwd(x: Tensor, wT: Tensor, bias: Tensor, prefix: int, back: Tensor, silu: bool) -> Tensor:
+    return _load().conv_silu_forward(x, wT, bias, prefix, back, silu, torch.get_num_threads())
 
 
 @_conv_fwd.register_fake
-def _(x, wT, bias):
-    return x.new_empty(x.shape)
+def _(x, wT, bias, prefix, back, silu):
+    return x.new_empty(x.shape[0], x.shape[1] - prefix, x.shape[2])
 
 
 @torch.library.custom_op("archscale::conv_silu_cpu_bwd", mutates_args=())
-def _conv_bwd(gout: Tensor, x: Tensor, wT: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(_load().conv_silu_backward(gout, x, wT, bias, torch.get_num_threads()))
+def _conv_bwd(gout: Tensor, x: Tensor, wT: Tensor, bias: Tensor, prefix: int, back: Tensor,
+              silu: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(_load().conv_silu_backward(gout, x, wT, bias, prefix, back, silu, torch.get_num_threads()))
 
 
 @_conv_bwd.register_fake
-def _(gout, x, wT, bias):
+def _(gout, x, wT, bias, prefix, back, silu):
     return x.new_empty(x.shape), torch.empty_like(wT), torch.empty_like(bias)
 
 
 def _conv_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    x, wT, bias, prefix, back, silu = inputs
+    ctx.save_for_backward(x, wT, bias, back)
+    ctx.prefix, ctx.silu = prefix, silu
 
 
 def _conv_backward(ctx, gout):
-    x, wT, bias = ctx.saved_tensors
-    gx, gw, gb = _conv_bwd(_unit_channel_stride(gout), x, wT, bias)
-    return gx, gw, (gb if bias.numel() else None)
+    x, wT, bias, back = ctx.saved_tensors
+    gx, gw, gb = _conv_bwd(_unit_channel_stride(gout), x, wT, bias, ctx.prefix, back, ctx.silu)
+    return gx, gw, (gb if bias.numel() else None), None, None, None
 
 
 _conv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
@@ -212,12 +216,22 @@ def _unit_channel_stride(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def conv_rows(x: Tensor, wT: Tensor, bias: Tensor | None, prefix: int = 0, back: Tensor | None = None,
+              silu: bool = True) -> Tensor:
+    """The kernel's causal depthwise conv over (b, prefix + L, d) rows, fp32: the first `prefix` rows (< K) are
+    history, steps before x read 0; `back` (b, L) int32 bounds each output's taps (its position in its
+    document, for packed sequences). wT (K, d) fp32 contiguous (tap K-1 = now); bias (d) fp32 or None. Returns
+    (b, L, d) fp32 contiguous; differentiable in x, wT and bias."""
+    bf = bias.contiguous() if bias is not None else wT.new_empty(0)
+    kept = back.to(torch.int32).contiguous() if back is not None else wT.new_empty(0, dtype=torch.int32)
+    return _conv_fwd(_unit_channel_stride(x), wT, bf, prefix, kept, silu)
+
+
 def conv_silu(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """silu(causal depthwise conv1d(x)) as Mamba computes it (`nn.Conv1d(d, d, K, groups=d, padding=K-1)`, the
     first L outputs), with no state. x (b, d, L) in any layout and dtype (best: a transposed view of (b, L, d)
     storage, as the Mamba layer passes); weight (d, 1, K); bias (d) or None. Computed in fp32; returns (b, d, L)
     in x's dtype, a view of (b, L, d) storage (the layout the scan kernel's gradient comes back in)."""
     wT = weight.float()[:, 0].t().contiguous()                                # (K, d): one tap per row
-    bf = bias.float().contiguous() if bias is not None else wT.new_empty(0)
-    out = _conv_fwd(_unit_channel_stride(x.transpose(1, 2)), wT, bf)
+    out = conv_rows(x.transpose(1, 2), wT, None if bias is None else bias.float())
     return out.transpose(1, 2).to(x.dtype)

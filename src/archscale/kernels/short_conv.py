@@ -1,16 +1,23 @@
 """The short causal depthwise convolution of Mamba-2 and Gated DeltaNet (+ its SiLU), with a hand-written backward.
 
-    pre[b, t, c] = bias[c] + sum_j w[c, K-1-j] * x[b, t-j, c] * same_doc(t-j, t)      (j = 0..K-1, taps back in time)
+    pre[b, t, c] = bias[c] + sum_j w[c, K-1-j] * x[b, P+t-j, c] * same_doc(t-j, t)    (j = 0..K-1, taps back in time)
     out          = silu(pre)                                                        (if silu)
 
-Why not ``F.conv1d``: PyTorch's CPU depthwise-conv backward (``aten::convolution_backward``) took a quarter of a
-whole GDNY training step here (16.6 s of 63 s under the profiler, 3 calls). Why not the same sum of shifted copies
-through autograd (Mamba-2's earlier form): autograd keeps one product per tap and runs a multiply, a reduction and
-an add per tap and argument in the backward. Here the forward is K multiply-adds into one buffer and the
-activation in place; the backward is one silu backward, K multiply-adds for dx and K dot products for dw.
+The first P = `prefix` steps of x (0 <= P < K) are history: a decoding state's tail, before the outputs' own
+steps; taps reaching before x read 0. ``doc_ids`` (b, t) zeroes the taps that reach into an earlier document
+(and the history). Computed in fp32, returned in x's dtype.
 
-The input comes already extended by the K-1 steps before it (zeros, or a decoding state's tail), so the caller
-keeps its state handling; ``doc_ids`` (b, t) zeroes the taps that reach into an earlier document.
+Implementations (``impl=``, or ``ARCHSCALE_CONV_IMPL`` for auto):
+
+- ``"cpu"``: the fused C++ kernel of `kernels/scan_cpu.py` (the module Mamba-1's scan and conv are built in):
+  one pass over x each way, threaded over rows, document bounds as a per-step tap count. The Python path below
+  spent ~90 ms of a ~2.2 s GDNY d4 training step in its per-tap passes (docs/BENCHMARKS.md).
+- ``"torch"`` (the reference; CUDA and wherever the kernel did not build): K multiply-adds into one buffer and
+  the activation in place; the backward is one silu backward, K multiply-adds for dx and K dot products for dw.
+  Why not ``F.conv1d``: PyTorch's CPU depthwise-conv backward (``aten::convolution_backward``) took a quarter of
+  a whole GDNY training step here; why not shifted copies through autograd: autograd keeps one product per tap.
+
+Both are checked against ``F.conv1d`` through autograd in tests/test_short_conv.py.
 """
 
 from __future__ import annotations
@@ -19,15 +26,44 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from archscale.kernels import scan_cpu
+from archscale.kernels.dispatch import Dispatch, Impl
 
-def causal_conv1d(xp: Tensor, weight: Tensor, bias: Tensor | None = None, doc_ids: Tensor | None = None,
-                  silu: bool = False) -> Tensor:
-    """xp (b, K-1+t, c): the input with its K-1 previous steps in front; weight (c, K) (tap K-1 = now); bias (c,)
-    or None; doc_ids (b, t) or None. Returns (b, t, c) in xp's dtype."""
+
+def _cpu_unavailable(x: Tensor, **_) -> str:
+    if x.device.type != "cpu":
+        return "runs on CPU tensors only"
+    return "" if scan_cpu.available() else f"needs the C++ CPU module, which did not build ({scan_cpu.unavailable_reason()})"
+
+
+CONV = Dispatch("causal_conv1d", (Impl("cpu", _cpu_unavailable), Impl("torch")), env_var="ARCHSCALE_CONV_IMPL")
+IMPLS = CONV.choices
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, doc_ids: Tensor | None = None,
+                  silu: bool = False, prefix: int = 0, impl: str = "auto") -> Tensor:
+    """x (b, prefix + t, c), its first `prefix` steps history; weight (c, K) (tap K-1 = now); bias (c,) or None;
+    doc_ids (b, t) or None. Returns (b, t, c) in x's dtype."""
     K = weight.shape[1]
-    if xp.shape[1] < K - 1:
-        raise ValueError(f"causal_conv1d: the input has {xp.shape[1]} steps, fewer than the {K - 1} taps before it")
-    return _CausalConv.apply(xp, weight.to(xp.dtype), None if bias is None else bias.to(xp.dtype), doc_ids, silu)
+    if not 0 <= prefix < K or x.shape[1] < prefix:
+        raise ValueError(f"causal_conv1d: prefix must be in [0, {K}) and at most the input's {x.shape[1]} steps "
+                         f"(got {prefix})")
+    if CONV.resolve(impl, x=x) == "cpu":
+        back = None if doc_ids is None else _steps_into_document(doc_ids, K)
+        wT = weight.float().t().contiguous()                                   # (K, c): one tap per row
+        out = scan_cpu.conv_rows(x, wT, None if bias is None else bias.float(), prefix, back, silu)
+        return out.to(x.dtype)
+    xp = F.pad(x, (0, 0, K - 1 - prefix, 0)) if prefix < K - 1 else x         # the reference: K-1 steps before
+    return _CausalConv.apply(xp, weight.to(x.dtype), None if bias is None else bias.to(x.dtype), doc_ids, silu)
+
+
+def _steps_into_document(doc_ids: Tensor, K: int) -> Tensor:
+    """(b, t) int32: how many steps back each position's document began, capped at K-1 (the taps it may use)."""
+    t = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    began = torch.where(start, t, torch.zeros_like(t)).cummax(1).values
+    return (t - began).clamp_(max=K - 1).to(torch.int32)
 
 
 def _tap_masks(doc_ids: Tensor | None, K: int, dtype: torch.dtype) -> list[Tensor | None]:

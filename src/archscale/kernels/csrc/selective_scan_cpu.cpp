@@ -1,5 +1,5 @@
 // Mamba-1 selective scan on CPU: one fused pass per channel, forward and backward (and, at the end of this
-// file, the layer's causal depthwise conv + silu that produce the scan's input).
+// file, the mixers' causal depthwise conv + silu: the scan's input, and Mamba-2's and Gated DeltaNet's).
 //
 // The pure-PyTorch chunked scan (selective_scan.py) materialises (steps, batch, d_inner, d_state) tensors and
 // makes ~30 passes over them per layer and step: on CPU it is memory-bound. Here each (batch, channel) pair runs
@@ -351,29 +351,43 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor gy, torch::Tensor glast, 
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// Mamba's causal depthwise conv and the silu after it, fused, over (b, L, d) rows:
-//     out[b, t, c] = silu(bias[c] + sum_k w[k, c] x[b, t - K + 1 + k, c])     (x = 0 before t = 0)
-// x: (b, L, d) with unit channel stride and any batch / time strides (the Mamba layer's is a view into
-// in_proj's output); wT (K, d) contiguous; bias (d) or empty. out is (b, L, d) contiguous, what the scan reads.
-// torch's depthwise conv wants (b, d, L) contiguous input, and its weight backward ran single-threaded here.
+// The mixers' causal depthwise conv and the silu after it, fused, over (b, P + L, d) rows:
+//     pre[b, t, c] = bias[c] + sum_{j=0}^{K-1} w[K-1-j, c] x[b, P + t - j, c]     (taps j steps back)
+//     out          = silu(pre) (or pre itself, silu = false)
+// The first P rows of x (0 <= P < K) are history (a decoding state's tail): outputs are for the L rows after
+// them; a tap before row 0 reads 0. `back` (b, L) int32, when given, bounds the taps of each output (its
+// position in its document, at most K-1): taps reaching into an earlier document read 0 (packed training).
+// x: unit channel stride, any batch / time strides (Mamba's is a view into in_proj's output); wT (K, d)
+// contiguous; bias (d) or empty. out is (b, L, d) contiguous. torch's depthwise conv wants (b, d, L)
+// contiguous input, and its weight backward ran single-threaded here.
 
 namespace {
 
 struct ConvDims {
-  int64_t b, L, d, K, sb, st;
-  ConvDims(const torch::Tensor& x, const torch::Tensor& wT)
-      : b(x.size(0)), L(x.size(1)), d(x.size(2)), K(wT.size(0)), sb(x.stride(0)), st(x.stride(1)) {
+  int64_t b, L, d, K, P, sb, st;
+  const int32_t* back;  // (b, L) or nullptr
+  ConvDims(const torch::Tensor& x, const torch::Tensor& wT, int64_t prefix, const torch::Tensor& back_)
+      : b(x.size(0)), L(x.size(1) - prefix), d(x.size(2)), K(wT.size(0)), P(prefix), sb(x.stride(0)),
+        st(x.stride(1)), back(back_.numel() ? back_.data_ptr<int32_t>() : nullptr) {
     TORCH_CHECK(x.stride(2) == 1, "conv_silu: x needs unit channel stride");
+    TORCH_CHECK(prefix >= 0 && prefix < K && L >= 0, "conv_silu: prefix must be in [0, K) and at most x's steps");
+    TORCH_CHECK(!back || back_.size(0) == b && back_.size(1) == L, "conv_silu: back must be (b, L)");
   }
+  // the most taps back output row (bi, t) may use
+  int64_t reach(int64_t bi, int64_t t) const {
+    const int64_t r = std::min<int64_t>(K - 1, P + t);
+    return back ? std::min<int64_t>(r, back[bi * L + t]) : r;
+  }
+  const float* row(const float* x, int64_t bi, int64_t xt) const { return x + bi * sb + xt * st; }
 };
 
-// pre-activation of row (bi, t) into pre[0..d)
+// pre-activation of output row (bi, t) into pre[0..d)
 inline void conv_row(const ConvDims& s, const float* x, const float* w, const float* bias, int64_t bi, int64_t t,
                      float* __restrict__ pre) {
   for (int64_t c = 0; c < s.d; ++c) pre[c] = bias ? bias[c] : 0.0f;
-  for (int64_t k = std::max<int64_t>(0, s.K - 1 - t); k < s.K; ++k) {
-    const float* __restrict__ xr = x + bi * s.sb + (t - s.K + 1 + k) * s.st;
-    const float* __restrict__ wk = w + k * s.d;
+  for (int64_t j = 0; j <= s.reach(bi, t); ++j) {
+    const float* __restrict__ xr = s.row(x, bi, s.P + t - j);
+    const float* __restrict__ wk = w + (s.K - 1 - j) * s.d;
 #pragma omp simd
     for (int64_t c = 0; c < s.d; ++c) pre[c] += wk[c] * xr[c];
   }
@@ -381,8 +395,9 @@ inline void conv_row(const ConvDims& s, const float* x, const float* w, const fl
 
 }  // namespace
 
-torch::Tensor conv_silu_forward(torch::Tensor x, torch::Tensor wT, torch::Tensor bias, int64_t threads) {
-  const ConvDims s(x, wT);
+torch::Tensor conv_silu_forward(torch::Tensor x, torch::Tensor wT, torch::Tensor bias, int64_t prefix,
+                                torch::Tensor back, bool silu, int64_t threads) {
+  const ConvDims s(x, wT, prefix, back);
   auto out = torch::empty({s.b, s.L, s.d}, x.options());
   const float *px = x.data_ptr<float>(), *pw = wT.data_ptr<float>();
   const float* pb = bias.numel() ? bias.data_ptr<float>() : nullptr;
@@ -391,6 +406,7 @@ torch::Tensor conv_silu_forward(torch::Tensor x, torch::Tensor wT, torch::Tensor
     for (int64_t r = begin; r < end; ++r) {
       float* __restrict__ o = po + r * s.d;
       conv_row(s, px, pw, pb, r / s.L, r % s.L, o);
+      if (!silu) continue;
 #pragma omp simd
       for (int64_t c = 0; c < s.d; ++c) o[c] *= sigmoid(o[c]);
     }
@@ -398,13 +414,14 @@ torch::Tensor conv_silu_forward(torch::Tensor x, torch::Tensor wT, torch::Tensor
   return out;
 }
 
-// (gx (b, L, d) contiguous, gwT (K, d), gbias (d) or empty) from gout (b, L, d) with unit channel stride.
+// (gx (b, P + L, d) contiguous, gwT (K, d), gbias (d) or empty) from gout (b, L, d) with unit channel stride.
 std::vector<torch::Tensor> conv_silu_backward(torch::Tensor gout, torch::Tensor x, torch::Tensor wT,
-                                              torch::Tensor bias, int64_t threads) {
-  const ConvDims s(x, wT);
+                                              torch::Tensor bias, int64_t prefix, torch::Tensor back, bool silu,
+                                              int64_t threads) {
+  const ConvDims s(x, wT, prefix, back);
   TORCH_CHECK(gout.stride(2) == 1, "conv_silu: gout needs unit channel stride");
   auto gpre = torch::empty({s.b, s.L, s.d}, x.options());  // dLoss/d(pre-activation)
-  auto gx = torch::empty({s.b, s.L, s.d}, x.options());
+  auto gx = torch::empty({s.b, s.P + s.L, s.d}, x.options());
   auto gw_part = torch::zeros({slots(threads), s.K + 1, s.d}, x.options());  // per thread: K taps, then the bias
   const float *px = x.data_ptr<float>(), *pw = wT.data_ptr<float>(), *pg = gout.data_ptr<float>();
   const float* pb = bias.numel() ? bias.data_ptr<float>() : nullptr;
@@ -416,14 +433,16 @@ std::vector<torch::Tensor> conv_silu_backward(torch::Tensor gout, torch::Tensor 
       const int64_t bi = r / s.L, t = r % s.L;
       float* __restrict__ gp = pgp + r * s.d;
       const float* __restrict__ g = pg + bi * gsb + t * gst;
-      conv_row(s, px, pw, pb, bi, t, gp);
+      if (silu) {
+        conv_row(s, px, pw, pb, bi, t, gp);
 #pragma omp simd
-      for (int64_t c = 0; c < s.d; ++c) {
-        gp[c] = g[c] * dsilu(gp[c], sigmoid(gp[c]));
+        for (int64_t c = 0; c < s.d; ++c) gp[c] = g[c] * dsilu(gp[c], sigmoid(gp[c]));
+      } else {
+        std::copy(g, g + s.d, gp);
       }
-      for (int64_t k = std::max<int64_t>(0, s.K - 1 - t); k < s.K; ++k) {
-        const float* __restrict__ xr = px + bi * s.sb + (t - s.K + 1 + k) * s.st;
-        float* __restrict__ gwk = gwt + k * s.d;
+      for (int64_t j = 0; j <= s.reach(bi, t); ++j) {
+        const float* __restrict__ xr = s.row(px, bi, s.P + t - j);
+        float* __restrict__ gwk = gwt + (s.K - 1 - j) * s.d;
 #pragma omp simd
         for (int64_t c = 0; c < s.d; ++c) gwk[c] += gp[c] * xr[c];
       }
@@ -432,16 +451,17 @@ std::vector<torch::Tensor> conv_silu_backward(torch::Tensor gout, torch::Tensor 
       for (int64_t c = 0; c < s.d; ++c) gbt[c] += gp[c];
     }
   });
-  parallel_channels(s.b * s.L, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {  // gx[t] = sum_k w[k] gpre[t + K - 1 - k], within the row's batch
-      const int64_t t = r % s.L;
+  const int64_t rows = s.P + s.L;
+  parallel_channels(s.b * rows, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {  // gx[xt] = sum_j w[K-1-j] gpre[xt - P + j], over outputs that reach it
+      const int64_t bi = r / rows, xt = r % rows;
       float* __restrict__ o = pgx + r * s.d;
       std::fill(o, o + s.d, 0.0f);
-      for (int64_t k = 0; k < s.K; ++k) {
-        const int64_t tt = t + s.K - 1 - k;
-        if (tt >= s.L) continue;
-        const float* __restrict__ gp = pgp + (r + s.K - 1 - k) * s.d;
-        const float* __restrict__ wk = pw + k * s.d;
+      for (int64_t j = 0; j < s.K; ++j) {
+        const int64_t t = xt - s.P + j;
+        if (t < 0 || t >= s.L || j > s.reach(bi, t)) continue;
+        const float* __restrict__ gp = pgp + (bi * s.L + t) * s.d;
+        const float* __restrict__ wk = pw + (s.K - 1 - j) * s.d;
 #pragma omp simd
         for (int64_t c = 0; c < s.d; ++c) o[c] += wk[c] * gp[c];
       }
@@ -455,6 +475,6 @@ std::vector<torch::Tensor> conv_silu_backward(torch::Tensor gout, torch::Tensor 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &scan_forward, "selective scan forward (CPU, fp32)");
   m.def("backward", &scan_backward, "selective scan backward (CPU, fp32)");
-  m.def("conv_silu_forward", &conv_silu_forward, "causal depthwise conv + silu forward (CPU, fp32)");
-  m.def("conv_silu_backward", &conv_silu_backward, "causal depthwise conv + silu backward (CPU, fp32)");
+  m.def("conv_silu_forward", &conv_silu_forward, "causal depthwise conv (+ silu) forward (CPU, fp32)");
+  m.def("conv_silu_backward", &conv_silu_backward, "causal depthwise conv (+ silu) backward (CPU, fp32)");
 }

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from archscale.config import ModelConfig
 from archscale.errors import UserError
 from archscale.kernels.gated_delta import fla_available, gated_delta_rule, gated_delta_step
+from archscale.kernels import scan_cpu
 from archscale.kernels.short_conv import causal_conv1d
 from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, SaveEnv,
                                          options_of, register)
@@ -186,11 +187,10 @@ class GatedDeltaNet(nn.Module):
         with doc_ids, taps reaching into an earlier document are zeroed."""
         K = self.conv_size
         if state is None:
-            xp = F.pad(xs, (0, 0, K - 1, 0))
-        else:
-            xp = torch.cat([state.conv.transpose(1, 2).to(xs.dtype), xs], dim=1)   # (B, K-1+T, C)
-            state.conv = xp[:, xp.shape[1] - (K - 1):].transpose(1, 2).clone()
-        return causal_conv1d(xp, self._weights(xs.dtype), None, doc_ids, silu=True)
+            return causal_conv1d(xs, self._weights(xs.dtype), None, doc_ids, silu=True)
+        xp = torch.cat([state.conv.transpose(1, 2).to(xs.dtype), xs], dim=1)       # (B, K-1+T, C)
+        state.conv = xp[:, xp.shape[1] - (K - 1):].transpose(1, 2).clone()
+        return causal_conv1d(xp, self._weights(xs.dtype), None, doc_ids, silu=True, prefix=K - 1)
 
 
 class GatedDeltaNetMixer(GatedDeltaNet):
@@ -278,5 +278,9 @@ SPEC = register(MixerSpec(
     kernels=(KernelRef("fla.chunk_gated_delta_rule", fla_available,
                        "archscale.kernels.gated_delta._recurrence_ref",
                        "tests/test_gated_delta.py::test_fla_kernel_matches_chunked",
-                       "on a CUDA machine: pip install flash-linear-attention (extra `cuda`)"),),
+                       "on a CUDA machine: pip install flash-linear-attention (extra `cuda`)"),
+             KernelRef("archscale.kernels.short_conv, impl cpu (C++, kernels/scan_cpu.py's module)", scan_cpu.available,
+                       "archscale.kernels.short_conv._CausalConv (impl torch)",
+                       "tests/test_short_conv.py::test_matches_conv1d_values_and_grads",
+                       "install a C++ compiler (apt-get install g++, or set CXX); it is built on first use")),
 ))

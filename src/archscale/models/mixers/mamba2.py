@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from archscale.config import ModelConfig
 from archscale.errors import UserError
+from archscale.kernels import scan_cpu
 from archscale.kernels.short_conv import causal_conv1d
 from archscale.kernels.ssd import TORCH_CHUNK, chunk_layout, cuda_ssd_available, ssd_scan, ssd_state_update
 from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, SaveEnv,
@@ -143,12 +144,11 @@ class Mamba2(nn.Module):
         conv backward took 37x its forward in a training step here). With a state: prepend its inputs and store
         the new tail. With doc_ids: taps reaching into an earlier document are zeroed."""
         K = self.d_conv
-        if state is not None:
-            xp = torch.cat([state.conv.transpose(1, 2).to(xs.dtype), xs], dim=1)  # (B, K-1+T, conv_dim)
-            state.conv = xp[:, xp.shape[1] - (K - 1):].transpose(1, 2).clone()
-        else:
-            xp = F.pad(xs, (0, 0, K - 1, 0))
-        return causal_conv1d(xp, self.conv1d.weight[:, 0], self.conv1d.bias, doc_ids, silu=True)
+        if state is None:
+            return causal_conv1d(xs, self.conv1d.weight[:, 0], self.conv1d.bias, doc_ids, silu=True)
+        xp = torch.cat([state.conv.transpose(1, 2).to(xs.dtype), xs], dim=1)      # (B, K-1+T, conv_dim)
+        state.conv = xp[:, xp.shape[1] - (K - 1):].transpose(1, 2).clone()
+        return causal_conv1d(xp, self.conv1d.weight[:, 0], self.conv1d.bias, doc_ids, silu=True, prefix=K - 1)
 
 
 @dataclass
@@ -251,5 +251,9 @@ SPEC = register(MixerSpec(
     kernels=(KernelRef("mamba_ssm.mamba_chunk_scan_combined", cuda_ssd_available,
                        "archscale.kernels.ssd._ssd_ref",
                        "tests/test_mamba2.py::test_cuda_kernel_module_matches_reference",
-                       "on a CUDA machine: pip install mamba-ssm causal-conv1d (extra `cuda`)"),),
+                       "on a CUDA machine: pip install mamba-ssm causal-conv1d (extra `cuda`)"),
+             KernelRef("archscale.kernels.short_conv, impl cpu (C++, kernels/scan_cpu.py's module)", scan_cpu.available,
+                       "archscale.kernels.short_conv._CausalConv (impl torch)",
+                       "tests/test_short_conv.py::test_matches_conv1d_values_and_grads",
+                       "install a C++ compiler (apt-get install g++, or set CXX); it is built on first use")),
 ))
