@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from archscale.config import ModelConfig
 from archscale.errors import UserError
-from archscale.kernels.gated_delta import fla_available, gated_delta_rule, gated_delta_step
 from archscale.kernels import scan_cpu
+from archscale.kernels.gated_delta import fla_available, gated_delta_rule, gated_delta_step
 from archscale.kernels.short_conv import causal_conv1d
 from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, SaveEnv,
                                          options_of, register)
