@@ -235,3 +235,48 @@ def conv_silu(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     wT = weight.float()[:, 0].t().contiguous()                                # (K, d): one tap per row
     out = conv_rows(x.transpose(1, 2), wT, None if bias is None else bias.float())
     return out.transpose(1, 2).to(x.dtype)
+
+
+# The gated RMSNorm after Mamba-2's scan and Gated DeltaNet's delta rule (through kernels/gated_norm.py).
+@torch.library.custom_op("archscale::gated_norm_cpu_fwd", mutates_args=())
+def _norm_fwd(x: Tensor, z: Tensor, w: Tensor, group: int, eps: float) -> tuple[Tensor, Tensor]:
+    out, rstd = _load().gated_norm_forward(x, z, w, group, eps, torch.get_num_threads())
+    return out, rstd
+
+
+@_norm_fwd.register_fake
+def _(x, z, w, group, eps):
+    return x.new_empty(x.shape), x.new_empty(*x.shape[:2], x.shape[2] // group)
+
+
+@torch.library.custom_op("archscale::gated_norm_cpu_bwd", mutates_args=())
+def _norm_bwd(gout: Tensor, x: Tensor, z: Tensor, w: Tensor, rstd: Tensor,
+              group: int) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(_load().gated_norm_backward(gout, x, z, w, rstd, group, torch.get_num_threads()))
+
+
+@_norm_bwd.register_fake
+def _(gout, x, z, w, rstd, group):
+    return x.new_empty(x.shape), x.new_empty(x.shape), torch.empty_like(w)
+
+
+def _norm_setup(ctx, inputs, output):
+    x, z, w, group, eps = inputs
+    ctx.save_for_backward(x, z, w, output[1])
+    ctx.group = group
+
+
+def _norm_backward(ctx, gout, _grstd):
+    x, z, w, rstd = ctx.saved_tensors
+    gx, gz, gw = _norm_bwd(_unit_channel_stride(gout), x, z, w, rstd, ctx.group)
+    return gx, gz, gw, None, None
+
+
+_norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup)
+
+
+def gated_norm_rows(x: Tensor, z: Tensor, w: Tensor, group: int, eps: float) -> Tensor:
+    """RMSNorm(x * silu(z)) * w over groups of `group` channels, fp32: x, z (b, L, d) with any batch / time
+    strides (copied only when the channel stride is not 1); w (d). Returns (b, L, d) fp32 contiguous;
+    differentiable in x, z and w."""
+    return _norm_fwd(_unit_channel_stride(x), _unit_channel_stride(z), w.float().contiguous(), group, eps)[0]

@@ -30,6 +30,7 @@ from archscale.config import ModelConfig
 from archscale.errors import UserError
 from archscale.kernels import scan_cpu
 from archscale.kernels.gated_delta import fla_available, gated_delta_rule, gated_delta_step
+from archscale.kernels.gated_norm import GatedRMSNorm
 from archscale.kernels.short_conv import causal_conv1d
 from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, SaveEnv,
                                          options_of, register)
@@ -80,22 +81,6 @@ class GDNState:
                                    dtype=torch.float32))
 
 
-class GatedRMSNorm(nn.Module):
-    """mamba-ssm's RMSNorm with norm_before_gate=False and one group: RMSNorm(x * silu(z)) * weight, fp32."""
-
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor, z: Tensor) -> Tensor:
-        y = x.float() * F.silu(z.float())
-        return F.rms_norm(y, (y.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-
 class GatedDeltaNet(nn.Module):
     """Parameter names and shapes as ArchScale's `GatedDeltaNet` (q/k/v/a/b/g/o_proj, A_log, dt_bias,
     q/k/v_conv1d, norm)."""
@@ -120,7 +105,7 @@ class GatedDeltaNet(nn.Module):
         self.k_conv1d = nn.Conv1d(self.key_dim, self.key_dim, groups=self.key_dim, **conv)
         self.v_conv1d = nn.Conv1d(self.value_dim, self.value_dim, groups=self.value_dim, **conv)
         self.g_proj = nn.Linear(d_model, self.value_dim, bias=False)
-        self.norm = GatedRMSNorm(self.value_dim, norm_eps)
+        self.norm = GatedRMSNorm(self.value_dim, eps=norm_eps)
         self.o_proj = nn.Linear(self.value_dim, d_model, bias=False)
         self.reset_parameters()
 
@@ -282,5 +267,9 @@ SPEC = register(MixerSpec(
              KernelRef("archscale.kernels.short_conv, impl cpu (C++, kernels/scan_cpu.py's module)", scan_cpu.available,
                        "archscale.kernels.short_conv._CausalConv (impl torch)",
                        "tests/test_short_conv.py::test_matches_conv1d_values_and_grads",
+                       "install a C++ compiler (apt-get install g++, or set CXX); it is built on first use"),
+             KernelRef("archscale.kernels.gated_norm, impl cpu (C++, kernels/scan_cpu.py's module)", scan_cpu.available,
+                       "archscale.kernels.gated_norm.reference (impl torch)",
+                       "tests/test_gated_norm.py::test_matches_formula_values_and_grads",
                        "install a C++ compiler (apt-get install g++, or set CXX); it is built on first use")),
 ))

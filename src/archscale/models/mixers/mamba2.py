@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from archscale.config import ModelConfig
 from archscale.errors import UserError
 from archscale.kernels import scan_cpu
+from archscale.kernels.gated_norm import GatedRMSNorm
 from archscale.kernels.short_conv import causal_conv1d
 from archscale.kernels.ssd import TORCH_CHUNK, chunk_layout, cuda_ssd_available, ssd_scan, ssd_state_update
 from archscale.models.mixers.base import (MATRIX, OUTPUT, VECTOR, ForwardContext, KernelRef, MixerSpec, SaveEnv,
@@ -51,23 +52,6 @@ class Mamba2State:
         return cls(conv=torch.zeros(batch, module.conv_dim, module.d_conv - 1, device=device, dtype=dtype),
                    ssm=torch.zeros(batch, module.nheads, module.headdim, module.d_state, device=device,
                                    dtype=torch.float32))
-
-
-class GatedRMSNorm(nn.Module):
-    """mamba-ssm's `RMSNormGated` with norm_before_gate=False: RMSNorm(y * silu(z)) over groups of channels."""
-
-    def __init__(self, dim: int, group_size: int, eps: float = 1e-5):
-        super().__init__()
-        self.group_size, self.eps = group_size, eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, y: Tensor, z: Tensor) -> Tensor:
-        h = y.float() * F.silu(z.float())
-        h = F.rms_norm(h.unflatten(-1, (-1, self.group_size)), (self.group_size,), eps=self.eps).flatten(-2)
-        return (h * self.weight.float()).to(y.dtype)
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
 
 
 class Mamba2(nn.Module):
@@ -255,5 +239,9 @@ SPEC = register(MixerSpec(
              KernelRef("archscale.kernels.short_conv, impl cpu (C++, kernels/scan_cpu.py's module)", scan_cpu.available,
                        "archscale.kernels.short_conv._CausalConv (impl torch)",
                        "tests/test_short_conv.py::test_matches_conv1d_values_and_grads",
+                       "install a C++ compiler (apt-get install g++, or set CXX); it is built on first use"),
+             KernelRef("archscale.kernels.gated_norm, impl cpu (C++, kernels/scan_cpu.py's module)", scan_cpu.available,
+                       "archscale.kernels.gated_norm.reference (impl torch)",
+                       "tests/test_gated_norm.py::test_matches_formula_values_and_grads",
                        "install a C++ compiler (apt-get install g++, or set CXX); it is built on first use")),
 ))
