@@ -14,6 +14,11 @@ model and its vector flags are printed first.
     .venv/bin/python benchmarks/arch_throughput.py --archs transformer,mamba,samba,sambay --rounds 6
     ARCHSCALE_SCAN_IMPL=chunked .venv/bin/python benchmarks/arch_throughput.py       # Mamba on the PyTorch scan
     ARCHSCALE_HOST_ALLOC=system .venv/bin/python benchmarks/arch_throughput.py       # glibc's default malloc
+    .venv/bin/python benchmarks/arch_throughput.py --archs transformer,gdny --breakdown  # products vs the rest
+
+With ``--breakdown`` each model then runs two more steps with every op timed (`step_breakdown.py`): how much of
+its step is matrix products (and at what rate), how much is other ops, and what ``--target`` (a ratio to the
+first architecture) leaves for the rest once the products are paid for.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from archscale.config import ModelConfig
 from archscale.host_alloc import describe as describe_host_alloc
 from archscale.models import GPT, accounting
 from archscale.train.metrics import measure_matmul_flops
+from step_breakdown import bound, breakdown, describe
 
 
 def build(arch: str, depth: int, vocab: int, seed: int):
@@ -95,6 +101,10 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--rounds", type=int, default=4, help="timed rounds (one step per model each)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="after the rounds, time every op of two more steps per model: products vs the rest")
+    p.add_argument("--target", type=float, default=0.85,
+                   help="with --breakdown: the tok/s ratio to the first architecture to size the rest against")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps per model first: the C++ scan's build, and the heap settling (a model's "
                         "first steps fault in memory that later steps reuse; GDNY's took ~5 steps)")
@@ -114,6 +124,8 @@ def main(argv=None) -> None:
             step(model, opt, x)
     wall, cpu, peaks = timed_rounds(models, archs, x, a.rounds)
     report(models, archs, a, wall, cpu, peaks)
+    if a.breakdown:
+        report_breakdown(models, archs, x, a.target)
 
 
 def report(models, archs, a, wall, cpu, peaks) -> None:
@@ -132,6 +144,22 @@ def report(models, archs, a, wall, cpu, peaks) -> None:
               f"{tokens / min(wall[name]):,.0f} | {base / med:.2f} | {base_cpu / med_cpu:.2f} | "
               f"{per_token / 1e9:.3f} | {per_token * tokens / med / peak:.1%} |")
     print(f"load avg at the end {os.getloadavg()[0]:.2f}")
+
+
+def report_breakdown(models, archs, x, target: float) -> None:
+    """Products vs other ops per model (two instrumented steps each), and what `target` leaves each model."""
+    print("per-op wall clock, 2 instrumented steps per model (the timing adds a few us per op):")
+    parts = {}
+    for name in archs:
+        model, opt, _ = models[name]
+        parts[name] = breakdown(lambda: step(model, opt, x), steps=2)
+        print(describe(name, parts[name]))
+    base = parts[archs[0]]
+    for name in archs[1:]:
+        b = bound(parts[name], base, target)
+        print(f"  {name} at {target:.2f}x {archs[0]}: its products alone allow {b['products_only_ratio']:.3f}x; "
+              f"they leave {b['other_budget_s'] * 1e3:,.0f} ms for its other ops, which took "
+              f"{parts[name]['other_s'] * 1e3:,.0f} ms ({archs[0]}'s: {base['other_s'] * 1e3:,.0f} ms)")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ same-run ratios mean anything).
     .venv/bin/python benchmarks/mamba2_throughput.py                 # fp32, B4 x T512, width 512 x 4 layers
     .venv/bin/python benchmarks/mamba2_throughput.py --torch_chunk 256 # our scan at ArchScale's chunk length
     .venv/bin/python benchmarks/mamba2_throughput.py --scan_impl ref   # our mixer with the sequential reference
+    .venv/bin/python benchmarks/mamba2_throughput.py --breakdown       # then: products vs the rest, per model
+
+``--breakdown`` times every op of two more steps per model (`step_breakdown.py`) and says what a ``--target``
+ratio of ours to transformers' leaves for our ops other than the matrix products.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from archscale.host_alloc import describe as describe_host_alloc
 from archscale.kernels import ssd as ssd_module
 from archscale.models.mixers.mamba2 import Mamba2
 from archscale.models.norm import RMSNorm
+from step_breakdown import bound, breakdown, describe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -142,6 +147,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--breakdown", action="store_true",
+                   help="after the rounds, time every op of two more steps per model: products vs the rest")
+    p.add_argument("--target", type=float, default=2.0,
+                   help="with --breakdown: the ours/hf tok/s ratio to size our other ops against")
     return p.parse_args(argv)
 
 
@@ -196,6 +205,20 @@ def main(argv=None) -> None:
               f"ratios)")
     print("other processes per round (cores): " + " ".join(f"{row['noise']:.2f}" for row in rows)
           + f"; load avg at end {_loadavg()}")
+    if args.breakdown:
+        report_breakdown(runners, dtype, args.target)
+
+
+def report_breakdown(runners: list[Runner], dtype, target: float) -> None:
+    """Products vs other ops per model (two instrumented steps each), and what `target` leaves ours."""
+    print("per-op wall clock, 2 instrumented steps per model (the timing adds a few us per op):")
+    parts = {r.name: breakdown(lambda r=r: r.step(dtype), steps=2) for r in runners}
+    for name, p in parts.items():
+        print(describe(name, p))
+    if "hf" in parts:
+        b = bound(parts["ours"], parts["hf"], target)
+        print(f"  ours at {target:.2f}x hf: our products alone allow {b['products_only_ratio']:.3f}x; they leave "
+              f"{b['other_budget_s'] * 1e3:,.0f} ms for our other ops, which took {parts['ours']['other_s'] * 1e3:,.0f} ms")
 
 
 if __name__ == "__main__":

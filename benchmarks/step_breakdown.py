@@ -1,0 +1,88 @@
+"""Where a CPU training step's time goes: its matrix products against everything else, timed op by op.
+
+`breakdown(step)` runs `step()` under a dispatch mode that times every aten op with the wall clock (CPU ops run
+synchronously, so an op's time is its own) and counts the FLOPs of the matrix products among them (mm, bmm,
+addmm, baddbmm: 2 m k n per product). torch.profiler was not used because on these machines it inflated the
+memory-bound ops several times over (a log-softmax read 8 ms by the wall clock and 65-115 ms under the
+profiler), which hid where the time really went. The mode adds a few microseconds per op, so the instrumented
+step is slower than an untimed one; its parts are compared with each other and with the same parts of another
+model's instrumented step, not with untimed steps.
+
+The numbers a ratio target needs follow from it: if model A's products alone take longer than a fraction of
+model B's whole step, no work on A's other ops can bring A within that fraction of B (`bound`).
+
+    from step_breakdown import breakdown
+    parts = breakdown(lambda: train_step(model, opt, x), steps=2)   # {"matmul_s": ..., "other_s": ..., ...}
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# aten products whose FLOPs are counted, by the position of their two factors among the op's arguments
+PRODUCTS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
+
+
+def product_flops(name: str, args: tuple) -> float:
+    """2 m k n per (batched) product: the factors' shapes (.., m, k) and (.., k, n)."""
+    a, b = (args[i] for i in PRODUCTS[name])
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+class OpTimer(TorchDispatchMode):
+    """Wall-clock seconds per aten op (by name) and the counted product FLOPs, over everything run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter = collections.Counter()
+        self.flops = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.seconds[name] += time.perf_counter() - t0
+        self.calls[name] += 1
+        if name in PRODUCTS:
+            self.flops += product_flops(name, args)
+        return out
+
+
+def breakdown(step: Callable[[], object], steps: int = 2) -> dict:
+    """Per step (means over `steps` instrumented steps): wall seconds; seconds in the products and in every
+    other op; the rest of the wall time (Python, autograd's engine, the mode itself); the products' FLOPs; and
+    the five slowest other ops {name: seconds}."""
+    timer = OpTimer()
+    t0 = time.perf_counter()
+    with timer:
+        for _ in range(steps):
+            step()
+    wall = (time.perf_counter() - t0) / steps
+    matmul = sum(s for n, s in timer.seconds.items() if n in PRODUCTS) / steps
+    other = sum(s for n, s in timer.seconds.items() if n not in PRODUCTS) / steps
+    slowest = sorted(((s / steps, n) for n, s in timer.seconds.items() if n not in PRODUCTS), reverse=True)[:5]
+    return {"wall_s": wall, "matmul_s": matmul, "other_s": other, "untimed_s": wall - matmul - other,
+            "matmul_flop": timer.flops / steps, "slowest_other": {n: s for s, n in slowest}}
+
+
+def bound(model: dict, base: dict, target: float) -> dict:
+    """What `target` (model's tok/s over base's) asks of model, from two breakdowns at equal tokens per step:
+    the best ratio its products allow (base's whole timed step over model's products alone), and the time left
+    for all of model's other work at the target (base's timed step / target - model's products)."""
+    base_step = base["matmul_s"] + base["other_s"]
+    return {"products_only_ratio": base_step / model["matmul_s"],
+            "other_budget_s": base_step / target - model["matmul_s"]}
+
+
+def describe(name: str, parts: dict) -> str:
+    slow = ", ".join(f"{n} {s * 1e3:.0f}" for n, s in parts["slowest_other"].items())
+    return (f"  {name}: instrumented step {parts['wall_s'] * 1e3:,.0f} ms = products {parts['matmul_s'] * 1e3:,.0f} ms "
+            f"({parts['matmul_flop'] / 1e9:.1f} GFLOP, {parts['matmul_flop'] / parts['matmul_s'] / 1e9:.0f} GFLOP/s) "
+            f"+ other ops {parts['other_s'] * 1e3:,.0f} ms (slowest: {slow}) + untimed {parts['untimed_s'] * 1e3:,.0f} ms")

@@ -1,0 +1,55 @@
+"""benchmarks/step_breakdown.py: the products' FLOPs it counts equal torch's own FlopCounterMode count for a
+model with linear layers and batched products, their time is booked as products and the rest as other ops,
+and `bound` is the arithmetic the benchmark docs quote."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sb():
+    spec = importlib.util.spec_from_file_location("step_breakdown", ROOT / "benchmarks" / "step_breakdown.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_step(model, x):
+    h = model[0](x)                                                         # linear with bias: addmm
+    h = torch.bmm(h.view(4, 3, 8), h.view(4, 8, 3)).flatten(1)              # batched product
+    model[1](torch.relu(h).repeat(1, 2)[:, :16]).square().sum().backward()  # linear without bias: mm
+
+
+def test_counted_flops_equal_torchs_count(sb):
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([torch.nn.Linear(16, 24), torch.nn.Linear(16, 5, bias=False)])
+    x = torch.randn(4, 16)
+    with FlopCounterMode(display=False) as counter:
+        train_step(model, x)
+    parts = sb.breakdown(lambda: train_step(model, x), steps=3)
+    assert parts["matmul_flop"] == counter.get_total_flops() > 0
+    assert parts["matmul_s"] > 0 and parts["other_s"] > 0
+    assert len(parts["slowest_other"]) == 5
+    assert all(name not in sb.PRODUCTS for name in parts["slowest_other"])
+    assert parts["wall_s"] >= parts["matmul_s"] + parts["other_s"]
+
+
+def test_a_step_without_products_counts_none(sb):
+    """Negative control: elementwise work only is all 'other'."""
+    x = torch.randn(64, 64, requires_grad=True)
+    parts = sb.breakdown(lambda: (x * 2).exp().sum().backward(), steps=2)
+    assert parts["matmul_flop"] == 0 and parts["matmul_s"] == 0 and parts["other_s"] > 0
+
+
+def test_bound_arithmetic(sb):
+    base = {"matmul_s": 1.6, "other_s": 0.4}                               # a 2.0 s step
+    model = {"matmul_s": 2.1, "other_s": 0.5}
+    b = sb.bound(model, base, 0.85)
+    assert b["products_only_ratio"] == pytest.approx(2.0 / 2.1)
+    assert b["other_budget_s"] == pytest.approx(2.0 / 0.85 - 2.1)
