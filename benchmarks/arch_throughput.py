@@ -3,18 +3,21 @@ ArchScale's aspect ratio (so about equal non-embedding parameters), vocab 8192, 
 cross-entropy + backward + fused AdamW, fp32.
 
 All models live in one process and are timed in alternating rounds (order reversed every round). Reported per
-model: the median tok/s over the rounds in wall time and its spread (slowest-fastest round), the median in CPU time of this process (which a
-busy neighbour distorts less, but which with several threads also counts threads waiting for work), and the
-ratios to the first architecture, the training FLOPs per token from the model's own count and the MFU: those FLOPs
-at the median tok/s over the fp32 matmul peak (a 1024^3 matmul, measured once per round in this process, so
-"near the limit" is a number per architecture). Only same-run ratios mean anything on a shared machine; the CPU
-model and its vector flags are printed first.
+model: the median tok/s over the rounds in wall time and its spread (slowest-fastest round); the ratio to the
+first architecture, as the ratio of the medians and as the median (and range) of each round's own ratio (the
+models of a round run seconds apart, so a slow drift of the machine cancels in it); the ratio in CPU time of this
+process (which a busy neighbour distorts less, but which with several threads also counts threads waiting for
+work); the training FLOPs per token from the model's own count; and the MFU: those FLOPs at the median tok/s over
+the fp32 matmul peak (a 1024^3 matmul, measured once per round in this process, so "near the limit" is a number
+per architecture). Only same-run ratios mean anything on a shared machine; the CPU model and its vector flags are
+printed first.
 
     .venv/bin/python benchmarks/arch_throughput.py                                   # transformer vs mamba, d4
     .venv/bin/python benchmarks/arch_throughput.py --archs transformer,mamba,samba,sambay --rounds 6
     ARCHSCALE_SCAN_IMPL=chunked .venv/bin/python benchmarks/arch_throughput.py       # Mamba on the PyTorch scan
     ARCHSCALE_HOST_ALLOC=system .venv/bin/python benchmarks/arch_throughput.py       # glibc's default malloc
     .venv/bin/python benchmarks/arch_throughput.py --archs transformer,gdny --breakdown  # products vs the rest
+    .venv/bin/python benchmarks/arch_throughput.py --archs gdny --ab ARCHSCALE_NORM_IMPL=torch  # a kernel A/B
 
 With ``--breakdown`` each model then runs two more steps with every op timed (`step_breakdown.py`): how much of
 its step is matrix products (and at what rate), how much is other ops, and what ``--target`` (a ratio to the
@@ -46,11 +49,22 @@ def build(arch: str, depth: int, vocab: int, seed: int):
     return model, opt, body
 
 
-def step(model, opt, x) -> None:
-    logits = model(x[:, :-1])
-    F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+def step(model, opt, x, env: dict | None = None) -> None:
+    """One training step, with `env` set in os.environ meanwhile (an A/B variant's setting, e.g. a kernel's
+    ARCHSCALE_*_IMPL, which the kernels read at call time)."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        logits = model(x[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def cpu_description() -> str:
@@ -81,9 +95,9 @@ def timed_rounds(models: dict, archs: list[str], x, rounds: int) -> tuple[dict, 
     for r in range(rounds):
         peaks.append(measure_matmul_flops(torch.device("cpu"), torch.float32))
         for name in (archs if r % 2 == 0 else archs[::-1]):
-            model, opt, _ = models[name]
+            model, opt, _, env = models[name]
             t0, c0 = time.perf_counter(), time.process_time()
-            step(model, opt, x)
+            step(model, opt, x, env)
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
         tokens = x.shape[0] * (x.shape[1] - 1)
@@ -105,6 +119,9 @@ def main(argv=None) -> None:
                    help="after the rounds, time every op of two more steps per model: products vs the rest")
     p.add_argument("--target", type=float, default=0.85,
                    help="with --breakdown: the tok/s ratio to the first architecture to size the rest against")
+    p.add_argument("--ab", default="",
+                   help="VAR=VALUE: also time every architecture with this environment setting (same init), "
+                        "e.g. ARCHSCALE_NORM_IMPL=torch for a kernel's effect on the whole step, paired per round")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps per model first: the C++ scan's build, and the heap settling (a model's "
                         "first steps fault in memory that later steps reuse; GDNY's took ~5 steps)")
@@ -113,15 +130,22 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     archs = a.archs.split(",")
-    models = {name: build(name, a.depth, a.vocab, seed=i) for i, name in enumerate(archs)}
+    models = {name: (*build(name, a.depth, a.vocab, seed=i), {}) for i, name in enumerate(archs)}
+    if a.ab:  # each architecture twice, the same init, the second with the setting
+        var, _, value = a.ab.partition("=")
+        variants = {f"{arch}[{value}]": (*build(arch, a.depth, a.vocab, seed=i), {var: value})
+                    for i, arch in enumerate(archs)}
+        models = {n: m for arch in archs for n, m in ((arch, models[arch]), (f"{arch}[{value}]", variants[f"{arch}[{value}]"]))}
+        archs = list(models)
     x = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=torch.Generator().manual_seed(0))
     print(f"{cpu_description()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads, B{a.batch} x "
           f"T{a.seq}, vocab {a.vocab}, fp32, scan impl {os.environ.get('ARCHSCALE_SCAN_IMPL', 'auto')}; "
           f"{a.warmup} warm-up steps per model; load avg {os.getloadavg()[0]:.2f}\n{host_alloc}")
-    for name, (model, opt, body) in models.items():
-        print(f"  {name}_d{a.depth}: {body / 1e6:.2f}M non-embedding parameters")
+    for name, (model, opt, body, env) in models.items():
+        print(f"  {name}_d{a.depth}: {body / 1e6:.2f}M non-embedding parameters"
+              + "".join(f"; {k}={v}" for k, v in env.items()))
         for _ in range(a.warmup):
-            step(model, opt, x)
+            step(model, opt, x, env)
     wall, cpu, peaks = timed_rounds(models, archs, x, a.rounds)
     report(models, archs, a, wall, cpu, peaks)
     if a.breakdown:
@@ -134,14 +158,16 @@ def report(models, archs, a, wall, cpu, peaks) -> None:
     base, base_cpu = statistics.median(wall[archs[0]]), statistics.median(cpu[archs[0]])
     print(f"fp32 matmul peak (1024^3, per round): median {peak / 1e9:.1f} GFLOP/s, "
           f"range {min(peaks) / 1e9:.1f}-{max(peaks) / 1e9:.1f}")
-    print(f"| model | tok/s (median) | tok/s (min-max over rounds) | ratio to {archs[0]} | ratio in CPU time | "
-          "GFLOP/token (train) | MFU |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| model | tok/s (median) | tok/s (min-max over rounds) | ratio to {archs[0]} | per-round ratio (median, "
+          "min-max) | ratio in CPU time | GFLOP/token (train) | MFU |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in archs:
         med, med_cpu = statistics.median(wall[name]), statistics.median(cpu[name])
         per_token = matmul_flops_per_token(models[name][0], a.seq)
+        paired = [b / w for b, w in zip(wall[archs[0]], wall[name])]  # each round's own ratio: drift cancels
         print(f"| {name}_d{a.depth} | {tokens / med:,.0f} | {tokens / max(wall[name]):,.0f}-"
-              f"{tokens / min(wall[name]):,.0f} | {base / med:.2f} | {base_cpu / med_cpu:.2f} | "
+              f"{tokens / min(wall[name]):,.0f} | {base / med:.2f} | {statistics.median(paired):.2f} "
+              f"({min(paired):.2f}-{max(paired):.2f}) | {base_cpu / med_cpu:.2f} | "
               f"{per_token / 1e9:.3f} | {per_token * tokens / med / peak:.1%} |")
     print(f"load avg at the end {os.getloadavg()[0]:.2f}")
 
@@ -151,8 +177,8 @@ def report_breakdown(models, archs, x, target: float) -> None:
     print("per-op wall clock, 2 instrumented steps per model (the timing adds a few us per op):")
     parts = {}
     for name in archs:
-        model, opt, _ = models[name]
-        parts[name] = breakdown(lambda: step(model, opt, x), steps=2)
+        model, opt, _, env = models[name]
+        parts[name] = breakdown(lambda: step(model, opt, x, env), steps=2)
         print(describe(name, parts[name]))
     base = parts[archs[0]]
     for name in archs[1:]:
