@@ -19,7 +19,8 @@ printed first.
     .venv/bin/python benchmarks/arch_throughput.py --archs transformer,gdny --breakdown  # products vs the rest
     .venv/bin/python benchmarks/arch_throughput.py --archs gdny --ab ARCHSCALE_NORM_IMPL=torch  # a kernel A/B
 
-With ``--breakdown`` each model then runs two more steps with every op timed (`step_breakdown.py`): how much of
+With ``--breakdown`` each model then runs three more steps with every op timed (`step_breakdown.py`, models in
+turn, medians): how much of
 its step is matrix products (and at what rate), how much is other ops, and what ``--target`` (a ratio to the
 first architecture) leaves for the rest once the products are paid for.
 """
@@ -38,7 +39,7 @@ from archscale.config import ModelConfig
 from archscale.host_alloc import describe as describe_host_alloc
 from archscale.models import GPT, accounting
 from archscale.train.metrics import measure_matmul_flops
-from step_breakdown import bound, breakdown, describe
+from step_breakdown import bound, describe, interleaved
 
 
 def build(arch: str, depth: int, vocab: int, seed: int):
@@ -116,7 +117,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=4, help="timed rounds (one step per model each)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--breakdown", action="store_true",
-                   help="after the rounds, time every op of two more steps per model: products vs the rest")
+                   help="after the rounds, time every op of three more steps per model: products vs the rest")
     p.add_argument("--target", type=float, default=0.85,
                    help="with --breakdown: the tok/s ratio to the first architecture to size the rest against")
     p.add_argument("--ab", default="",
@@ -172,13 +173,14 @@ def report(models, archs, a, wall, cpu, peaks) -> None:
     print(f"load avg at the end {os.getloadavg()[0]:.2f}")
 
 
-def report_breakdown(models, archs, x, target: float) -> None:
-    """Products vs other ops per model (two instrumented steps each), and what `target` leaves each model."""
-    print("per-op wall clock, 2 instrumented steps per model (the timing adds a few us per op):")
-    parts = {}
+def report_breakdown(models, archs, x, target: float, rounds: int = 3) -> None:
+    """Products vs other ops per model (medians of `rounds` instrumented steps, models in turn), and what `target`
+    leaves each model."""
+    print(f"per-op wall clock, medians of {rounds} instrumented steps per model, models in turn (the timing adds a "
+          "few us per op):")
+    steps = {name: (lambda m=models[name]: step(m[0], m[1], x, m[3])) for name in archs}
+    parts = interleaved(steps, rounds)
     for name in archs:
-        model, opt, _, env = models[name]
-        parts[name] = breakdown(lambda: step(model, opt, x, env), steps=2)
         print(describe(name, parts[name]))
     base = parts[archs[0]]
     for name in archs[1:]:

@@ -16,8 +16,8 @@ same-run ratios mean anything).
     .venv/bin/python benchmarks/mamba2_throughput.py --scan_impl ref   # our mixer with the sequential reference
     .venv/bin/python benchmarks/mamba2_throughput.py --breakdown       # then: products vs the rest, per model
 
-``--breakdown`` times every op of two more steps per model (`step_breakdown.py`) and says what a ``--target``
-ratio of ours to transformers' leaves for our ops other than the matrix products.
+``--breakdown`` times every op of three more steps per model (`step_breakdown.py`; models in turn, medians) and
+says what a ``--target`` ratio of ours to transformers' leaves for our ops other than the matrix products.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from archscale.host_alloc import describe as describe_host_alloc
 from archscale.kernels import ssd as ssd_module
 from archscale.models.mixers.mamba2 import Mamba2
 from archscale.models.norm import RMSNorm
-from step_breakdown import bound, breakdown, describe
+from step_breakdown import bound, describe, interleaved
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -148,7 +148,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--breakdown", action="store_true",
-                   help="after the rounds, time every op of two more steps per model: products vs the rest")
+                   help="after the rounds, time every op of three more steps per model: products vs the rest")
     p.add_argument("--target", type=float, default=2.0,
                    help="with --breakdown: the ours/hf tok/s ratio to size our other ops against")
     return p.parse_args(argv)
@@ -209,10 +209,12 @@ def main(argv=None) -> None:
         report_breakdown(runners, dtype, args.target)
 
 
-def report_breakdown(runners: list[Runner], dtype, target: float) -> None:
-    """Products vs other ops per model (two instrumented steps each), and what `target` leaves ours."""
-    print("per-op wall clock, 2 instrumented steps per model (the timing adds a few us per op):")
-    parts = {r.name: breakdown(lambda r=r: r.step(dtype), steps=2) for r in runners}
+def report_breakdown(runners: list[Runner], dtype, target: float, rounds: int = 3) -> None:
+    """Products vs other ops per model (medians of `rounds` instrumented steps, models in turn), and what
+    `target` leaves ours."""
+    print(f"per-op wall clock, medians of {rounds} instrumented steps per model, models in turn (the timing adds a "
+          "few us per op):")
+    parts = interleaved({r.name: (lambda r=r: r.step(dtype)) for r in runners}, rounds)
     for name, p in parts.items():
         print(describe(name, p))
     if "hf" in parts:

@@ -18,6 +18,7 @@ model B's whole step, no work on A's other ops can bring A within that fraction 
 from __future__ import annotations
 
 import collections
+import statistics
 import time
 from collections.abc import Callable
 
@@ -70,6 +71,21 @@ def breakdown(step: Callable[[], object], steps: int = 2) -> dict:
     slowest = sorted(((s / steps, n) for n, s in timer.seconds.items() if n not in PRODUCTS), reverse=True)[:5]
     return {"wall_s": wall, "matmul_s": matmul, "other_s": other, "untimed_s": wall - matmul - other,
             "matmul_flop": timer.flops / steps, "slowest_other": {n: s for s, n in slowest}}
+
+
+def interleaved(steps: dict[str, Callable[[], object]], rounds: int = 3) -> dict[str, dict]:
+    """`breakdown` of one step per model per round, models in turn (order reversed every round, as the timed
+    rounds), and per model the median over rounds of every number: on a noisy machine a single instrumented
+    step's product rate moved by 20% between neighbouring models."""
+    runs: dict[str, list[dict]] = {name: [] for name in steps}
+    for r in range(rounds):
+        for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+            runs[name].append(breakdown(steps[name], steps=1))
+    out = {}
+    for name, parts in runs.items():
+        out[name] = {k: statistics.median(p[k] for p in parts) for k in parts[0] if k != "slowest_other"}
+        out[name]["slowest_other"] = parts[len(parts) // 2]["slowest_other"]
+    return out
 
 
 def bound(model: dict, base: dict, target: float) -> dict:

@@ -53,3 +53,20 @@ def test_bound_arithmetic(sb):
     b = sb.bound(model, base, 0.85)
     assert b["products_only_ratio"] == pytest.approx(2.0 / 2.1)
     assert b["other_budget_s"] == pytest.approx(2.0 / 0.85 - 2.1)
+
+
+def test_interleaved_takes_each_models_median(sb, monkeypatch):
+    """Models in turn, order reversed every round, and each number the median over that model's rounds."""
+    order, values = [], iter([1.0, 5.0, 2.0, 7.0, 3.0, 6.0])  # a, b, then b, a, then a, b
+
+    def fake(step, steps=1):
+        name = step()
+        order.append(name)
+        v = next(values)
+        return {"wall_s": v, "matmul_s": v, "other_s": 0.0, "untimed_s": 0.0, "matmul_flop": v,
+                "slowest_other": {name: v}}
+
+    monkeypatch.setattr(sb, "breakdown", fake)
+    parts = sb.interleaved({"a": lambda: "a", "b": lambda: "b"}, rounds=3)
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    assert parts["a"]["matmul_s"] == 3.0 and parts["b"]["matmul_s"] == 5.0   # medians of (1, 7, 3) and (5, 2, 6)
