@@ -225,8 +225,9 @@ def gdn_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
     activations); per q|k|v channel the projections, conv and silu outputs and the kernel's fp32 l2-normed inputs
     and factors (4 elements in the activation dtype + 17 B fp32, measured); per head the chunked kernel's fp32
     chunk-by-chunk products (C per token, 24.5 B each; C = the chunk length at this sequence length) and its fp32
-    (K, V) state at every chunk start (4 K V / C per token). "gdn_mem" keeps its output (the GMU memory, fp32)
-    across a checkpointed block."""
+    (K, V) state at every chunk start (4 K V / C per token); on CPU, 12 B less per value channel: the gated norm's
+    C++ kernel (kernels/gated_norm.py) keeps its two fp32 inputs where autograd keeps four fp32 intermediates.
+    "gdn_mem" keeps its output (the GMU memory, fp32) across a checkpointed block."""
     opts = options(config)
     H, K, V, value_dim = widths(config, opts)
     memory = {"gmu_memory": 4 * value_dim} if kind == "gdn_mem" else {}
@@ -234,7 +235,8 @@ def gdn_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
         return memory
     C = min(opts.chunk_size, 1 << (max(env.seq_len, 1) - 1).bit_length())
     channels = 2 * H * K + value_dim
-    return {"gdn_inputs": env.act_bytes * 6 * config.n_embd, "gdn": (env.act_bytes * 4 + 17) * channels,
+    norm_kernel = 12 * value_dim if env.device == "cpu" else 0
+    return {"gdn_inputs": env.act_bytes * 6 * config.n_embd, "gdn": (env.act_bytes * 4 + 17) * channels - norm_kernel,
             "gdn_chunks": 24.5 * H * C, "gdn_states": 4 * H * K * V / C}
 
 

@@ -196,7 +196,8 @@ def mamba2_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, floa
 
 def mamba2_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
     """Per token: in_proj's input and output, the conv and silu outputs, the scan's fp32 inputs and output and the
-    gated norm's fp32 input (7.5 d_inner elements in the activation dtype + 30 B per d_inner channel in fp32), B/C
+    gated norm's fp32 input (7.5 d_inner elements in the activation dtype + 30 B per d_inner channel in fp32; 18 B on
+    CPU, where the gated norm's C++ kernel keeps its two fp32 inputs instead of autograd's four intermediates), B/C
     (33 B per group state, fp32) and, in the torch chunked scan (CPU), two fp32 Q x Q matrices per head and chunk
     (`ssd_fused.intra_chunk` keeps the decays and their product with C B^T: 8 B per head and chunk position, Q = the
     chunk length at this sequence length; mamba-ssm's CUDA kernel recomputes them). Measured with `memory_measure.saved_by_block`. "mamba2_mem"
@@ -206,7 +207,8 @@ def mamba2_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, floa
     memory = {"gmu_memory": 4 * di} if kind == "mamba2_mem" else {}
     if env.act_ckpt:
         return memory
-    out = {"mamba2": env.act_bytes * 7.5 * di + 30 * di + 33 * 2 * opts.ngroups * opts.d_state}
+    fp32 = 18 if env.device == "cpu" else 30
+    out = {"mamba2": env.act_bytes * 7.5 * di + fp32 * di + 33 * 2 * opts.ngroups * opts.d_state}
     if env.device == "cpu":
         _, Q = chunk_layout(env.seq_len, min(opts.chunk_size, TORCH_CHUNK))
         out["scan_chunks"] = 8.0 * (di // opts.headdim) * Q
