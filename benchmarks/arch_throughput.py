@@ -20,9 +20,8 @@ printed first.
     .venv/bin/python benchmarks/arch_throughput.py --archs gdny --ab ARCHSCALE_NORM_IMPL=torch  # a kernel A/B
 
 With ``--breakdown`` each model then runs three more steps with every op timed (`step_breakdown.py`, models in
-turn, medians): how much of
-its step is matrix products (and at what rate), how much is other ops, and what ``--target`` (a ratio to the
-first architecture) leaves for the rest once the products are paid for.
+turn, medians): how much of its step is matrix products (and at what rate), how much is other ops, and what
+``--target`` (a ratio to the first architecture) leaves for the rest once the products are paid for.
 """
 
 from __future__ import annotations
@@ -131,13 +130,15 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     archs = a.archs.split(",")
-    models = {name: (*build(name, a.depth, a.vocab, seed=i), {}) for i, name in enumerate(archs)}
-    if a.ab:  # each architecture twice, the same init, the second with the setting
-        var, _, value = a.ab.partition("=")
-        variants = {f"{arch}[{value}]": (*build(arch, a.depth, a.vocab, seed=i), {var: value})
-                    for i, arch in enumerate(archs)}
-        models = {n: m for arch in archs for n, m in ((arch, models[arch]), (f"{arch}[{value}]", variants[f"{arch}[{value}]"]))}
-        archs = list(models)
+    var, eq, value = a.ab.partition("=")
+    if a.ab and not (var and eq):
+        p.error(f"--ab takes VAR=VALUE (got {a.ab!r})")
+    models = {}
+    for i, arch in enumerate(archs):  # with --ab each architecture twice, the same init, the second with the setting
+        models[arch] = (*build(arch, a.depth, a.vocab, seed=i), {})
+        if a.ab:
+            models[f"{arch}[{value}]"] = (*build(arch, a.depth, a.vocab, seed=i), {var: value})
+    archs = list(models)
     x = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=torch.Generator().manual_seed(0))
     print(f"{cpu_description()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads, B{a.batch} x "
           f"T{a.seq}, vocab {a.vocab}, fp32, scan impl {os.environ.get('ARCHSCALE_SCAN_IMPL', 'auto')}; "
