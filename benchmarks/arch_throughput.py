@@ -38,7 +38,7 @@ from archscale.config import ModelConfig
 from archscale.host_alloc import describe as describe_host_alloc
 from archscale.models import GPT, accounting
 from archscale.train.metrics import measure_matmul_flops
-from step_breakdown import bound, describe, interleaved
+from step_breakdown import describe, describe_bound, interleaved
 
 
 def build(arch: str, depth: int, vocab: int, seed: int):
@@ -183,12 +183,8 @@ def report_breakdown(models, archs, x, target: float, rounds: int = 3) -> None:
     parts = interleaved(steps, rounds)
     for name in archs:
         print(describe(name, parts[name]))
-    base = parts[archs[0]]
     for name in archs[1:]:
-        b = bound(parts[name], base, target)
-        print(f"  {name} at {target:.2f}x {archs[0]}: its products alone allow {b['products_only_ratio']:.3f}x; "
-              f"they leave {b['other_budget_s'] * 1e3:,.0f} ms for its other ops, which took "
-              f"{parts[name]['other_s'] * 1e3:,.0f} ms ({archs[0]}'s: {base['other_s'] * 1e3:,.0f} ms)")
+        print(describe_bound(name, parts[name], archs[0], parts[archs[0]], target))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from archscale.host_alloc import describe as describe_host_alloc
 from archscale.kernels import ssd as ssd_module
 from archscale.models.mixers.mamba2 import Mamba2
 from archscale.models.norm import RMSNorm
-from step_breakdown import bound, describe, interleaved
+from step_breakdown import describe, describe_bound, interleaved
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -218,9 +218,7 @@ def report_breakdown(runners: list[Runner], dtype, target: float, rounds: int = 
     for name, p in parts.items():
         print(describe(name, p))
     if "hf" in parts:
-        b = bound(parts["ours"], parts["hf"], target)
-        print(f"  ours at {target:.2f}x hf: our products alone allow {b['products_only_ratio']:.3f}x; they leave "
-              f"{b['other_budget_s'] * 1e3:,.0f} ms for our other ops, which took {parts['ours']['other_s'] * 1e3:,.0f} ms")
+        print(describe_bound("ours", parts["ours"], "hf", parts["hf"], target))
 
 
 if __name__ == "__main__":

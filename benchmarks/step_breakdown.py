@@ -97,6 +97,14 @@ def bound(model: dict, base: dict, target: float) -> dict:
             "other_budget_s": base_step / target - model["matmul_s"]}
 
 
+def describe_bound(name: str, parts: dict, base_name: str, base: dict, target: float) -> str:
+    """One line: what `target` (name's tok/s over base_name's) leaves for name's ops other than the products."""
+    b = bound(parts, base, target)
+    return (f"  {name} at {target:.2f}x {base_name}: its products alone allow {b['products_only_ratio']:.3f}x; they "
+            f"leave {b['other_budget_s'] * 1e3:,.0f} ms for its other ops, which took {parts['other_s'] * 1e3:,.0f} ms "
+            f"({base_name}'s: {base['other_s'] * 1e3:,.0f} ms)")
+
+
 def describe(name: str, parts: dict) -> str:
     slow = ", ".join(f"{n} {s * 1e3:.0f}" for n, s in parts["slowest_other"].items())
     return (f"  {name}: instrumented step {parts['wall_s'] * 1e3:,.0f} ms = products {parts['matmul_s'] * 1e3:,.0f} ms "

@@ -26,12 +26,8 @@ from archscale.kernels import scan_cpu
 from archscale.kernels.dispatch import Dispatch, Impl
 
 
-def _cpu_unavailable(x: Tensor, **_) -> str:
-    if x.device.type != "cpu":
-        return "runs on CPU tensors only"
-    if x.dim() < 2:
-        return "needs at least (tokens, channels)"
-    return "" if scan_cpu.available() else f"needs the C++ CPU module, which did not build ({scan_cpu.unavailable_reason()})"
+def _cpu_unavailable(x: Tensor, **call) -> str:
+    return "needs at least (tokens, channels)" if x.dim() < 2 else scan_cpu.unavailable_for(x, **call)
 
 
 NORM = Dispatch("gated_rms_norm", (Impl("cpu", _cpu_unavailable), Impl("torch")), env_var="ARCHSCALE_NORM_IMPL")

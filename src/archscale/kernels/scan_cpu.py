@@ -98,6 +98,13 @@ def unavailable_reason() -> str | None:
     return None if _load() is not None else str(_state.get("error"))
 
 
+def unavailable_for(x: Tensor, **_) -> str:
+    """A `Dispatch` predicate for the kernels of this module: why they cannot run on `x` here ("" when they can)."""
+    if x.device.type != "cpu":
+        return "runs on CPU tensors only"
+    return "" if available() else f"needs the C++ CPU module, which did not build ({unavailable_reason()})"
+
+
 # Custom ops, so torch.compile traces through the kernel instead of breaking the graph at a pybind call.
 # Absent optional inputs (h0, keep, D, z) are passed as empty tensors.
 @torch.library.custom_op("archscale::selective_scan_cpu_fwd", mutates_args=())

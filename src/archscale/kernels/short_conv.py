@@ -30,13 +30,7 @@ from archscale.kernels import scan_cpu
 from archscale.kernels.dispatch import Dispatch, Impl
 
 
-def _cpu_unavailable(x: Tensor, **_) -> str:
-    if x.device.type != "cpu":
-        return "runs on CPU tensors only"
-    return "" if scan_cpu.available() else f"needs the C++ CPU module, which did not build ({scan_cpu.unavailable_reason()})"
-
-
-CONV = Dispatch("causal_conv1d", (Impl("cpu", _cpu_unavailable), Impl("torch")), env_var="ARCHSCALE_CONV_IMPL")
+CONV = Dispatch("causal_conv1d", (Impl("cpu", scan_cpu.unavailable_for), Impl("torch")), env_var="ARCHSCALE_CONV_IMPL")
 IMPLS = CONV.choices
 
 
