@@ -19,8 +19,15 @@ def faults(n):
         x.fill_(1.0)
         del x
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-faults(10)  # the heap settles (torch's aligned allocations fragment it at first)
-print(applied, faults(5))
+# The heap settles first: torch's lazy first-use allocations land above the freed buffer for a few iterations
+# (3-12 measured), so the buffer moves up and faults afresh. Wait for 3 quiet iterations in a row (at most 60;
+# the glibc control never gets them), then count the steady state.
+quiet = 0
+for _ in range(60):
+    quiet = quiet + 1 if faults(1) < 1000 else 0
+    if quiet == 3:
+        break
+print(applied, faults(10))
 """
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
@@ -42,7 +49,7 @@ def test_tuned_allocator_reuses_freed_pages():
     assert applied and not control_applied
     # glibc's default maps every 64 MiB tensor afresh: one fault per page (or per huge page), every time
     assert system > 0, "the negative control did not fault: this environment already keeps freed pages"
-    assert tuned * 10 < system, (tuned, system)
+    assert tuned * 5 < system, (tuned, system)  # 10 iterations: the control faults 10 times, tuned at most once
 
 
 def test_opt_out_and_once_per_process(monkeypatch):
