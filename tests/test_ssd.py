@@ -1,5 +1,5 @@
-"""Mamba-2's SSD scan: the chunked path (and the decode step, and mamba-ssm's kernel when present) against the
-sequential reference, which is itself checked against a scalar loop and transformers' independent torch SSD.
+"""Mamba-2's SSD scan: the C++ CPU kernel and the chunked torch path (and the decode step, and mamba-ssm's kernel
+when present) against the sequential reference, which is itself checked against a scalar loop and transformers' independent torch SSD.
 
 Tolerances (fp32): values within 1e-5 of each output's largest entry, gradients within 1e-4 of each gradient's
 largest entry (the chunked path sums in another order and forms decays as exp of differences of cumulative sums;
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import archscale.kernels.ssd as ssd
+from archscale.kernels import scan_cpu
 from archscale.kernels.ssd import ssd_scan, ssd_state_update
 
 
@@ -63,32 +64,38 @@ def assert_close(got, want, rtol_values=1e-5, rtol_grads=1e-4):
 OPTIONALS = [(), ("D",), ("dt_bias",), ("initial_state",), ("D", "dt_bias", "initial_state")]
 
 
-@pytest.fixture(params=[True, False], ids=["fused", "autograd"])
-def intra(request, monkeypatch):
-    """Both forms of the chunked path's intra-chunk step: `ssd_fused.intra_chunk` (hand-written backward, the
-    default) and the same maths through autograd."""
-    monkeypatch.setattr(ssd, "FUSED_INTRA", request.param)
-    return request.param
+@pytest.fixture(params=["cpu", "fused", "autograd"])
+def fast(request, monkeypatch):
+    """The impl under test: the C++ kernel ("cpu"), or the chunked torch path with either form of its
+    intra-chunk step, `ssd_fused.intra_chunk` (hand-written backward, its default) or the same maths through
+    autograd."""
+    if request.param == "cpu":
+        if not scan_cpu.available():
+            pytest.skip(f"the C++ CPU module did not build: {scan_cpu.unavailable_reason()}")
+        return "cpu"
+    monkeypatch.setattr(ssd, "FUSED_INTRA", request.param == "fused")
+    return "chunked"
 
 
 @pytest.mark.parametrize("shape,chunk", [((2, 1, 2, 3, 1, 4), 8), ((1, 7, 2, 3, 2, 5), 8), ((2, 37, 4, 3, 2, 5), 8),
                                          ((2, 33, 4, 4, 1, 6), 16), ((1, 70, 2, 8, 1, 16), 24)])
 @pytest.mark.parametrize("use", OPTIONALS, ids=lambda u: "+".join(u) or "plain")
-def test_chunked_matches_reference_values_and_grads(shape, chunk, use, intra):
-    """Lengths below, at and not multiple of the chunk (balanced chunks, padded ends), groups shared by heads."""
+def test_chunked_matches_reference_values_and_grads(shape, chunk, use, fast):
+    """Lengths below, at and not multiple of the chunk (balanced chunks: padded ends in torch, a shorter last
+    chunk in the kernel), groups shared by heads."""
     inputs = make_inputs(*shape, seed=sum(shape))
-    assert_close(run("chunked", inputs, use, chunk), run("ref", inputs, use, chunk))
+    assert_close(run(fast, inputs, use, chunk), run("ref", inputs, use, chunk))
 
 
 @pytest.mark.parametrize("L,chunk", [(1, 4), (9, 4), (40, 7), (150, 32)])
-def test_document_resets_chunked_equals_reference(L, chunk, intra):
+def test_document_resets_chunked_equals_reference(L, chunk, fast):
     inputs = make_inputs(2, L, 4, 3, 2, 5, seed=L)
     seq = doc_labels(2, L, seed=L)
     use = ("D", "dt_bias", "initial_state")
-    assert_close(run("chunked", inputs, use, chunk, seq), run("ref", inputs, use, chunk, seq))
+    assert_close(run(fast, inputs, use, chunk, seq), run("ref", inputs, use, chunk, seq))
 
 
-def test_packed_equals_separate_and_the_leak_control(intra):
+def test_packed_equals_separate_and_the_leak_control(fast):
     """Each document of a packed row equals that document scanned alone (values and input gradients); without
     the sequence index the second document sees the first (the control)."""
     torch.manual_seed(0)
@@ -97,7 +104,7 @@ def test_packed_equals_separate_and_the_leak_control(intra):
     seq = torch.tensor([[0] * la + [1] * lb])
     leaves = {k: v.clone().requires_grad_() for k, v in inputs.items() if k != "initial_state"}
     x, dt, A, B, C = (leaves[k] for k in ("x", "dt", "A", "B", "C"))
-    kw = dict(D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True, impl="chunked")
+    kw = dict(D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True, impl=fast)
     w = torch.randn(1, la + lb, 4, 3)
     packed = ssd_scan(x, dt, A, B, C, 8, seq_idx=seq, **kw)
     grads_packed = torch.autograd.grad((packed * w).sum(), [x, dt, B, C])
@@ -113,22 +120,22 @@ def test_packed_equals_separate_and_the_leak_control(intra):
     assert (leaky[:, la:] - b).abs().max() > 1e-2  # 1e3x the masked error: state does cross without seq_idx
 
 
-def test_chunk_length_does_not_change_the_result():
+def test_chunk_length_does_not_change_the_result(fast):
     inputs = make_inputs(2, 61, 4, 3, 2, 5, seed=3)
     seq = doc_labels(2, 61, seed=3)
     use = ("D", "dt_bias", "initial_state")
-    want = run("chunked", inputs, use, 61, seq)
+    want = run(fast, inputs, use, 61, seq)
     for chunk in (1, 5, 16, 31, 64):
-        assert_close(run("chunked", inputs, use, chunk, seq), want)
+        assert_close(run(fast, inputs, use, chunk, seq), want)
 
 
-def test_strong_decay_is_stable(intra):
+def test_strong_decay_is_stable(fast):
     """dt * A of about -100 per step: decays underflow to exactly 0, nothing overflows (no exp of a positive
     number is ever formed)."""
     inputs = make_inputs(2, 40, 4, 3, 1, 5, seed=4, dt_shift=40.0)
     inputs["A"] = -torch.full((4,), 2.5)
     use = ("D", "initial_state")
-    got, want = run("chunked", inputs, use, 16), run("ref", inputs, use, 16)
+    got, want = run(fast, inputs, use, 16), run("ref", inputs, use, 16)
     assert all(torch.isfinite(v).all() for v in got.values())
     assert_close(got, want)
 
@@ -182,12 +189,12 @@ def test_state_update_matches_scan():
     torch.testing.assert_close(state, want_last, rtol=1e-5, atol=1e-6)
 
 
-def test_dtypes_and_no_grad_path():
+def test_dtypes_and_no_grad_path(fast):
     inp = make_inputs(1, 20, 2, 4, 1, 8, seed=13)
     with torch.no_grad():
         want = ssd_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 8, impl="ref")
         got = ssd_scan(inp["x"].bfloat16(), inp["dt"].bfloat16(), inp["A"], inp["B"].bfloat16(),
-                       inp["C"].bfloat16(), 8, impl="chunked")
+                       inp["C"].bfloat16(), 8, impl=fast)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=5e-2 * want.abs().max().item())
 
@@ -212,19 +219,24 @@ def test_unknown_impl_and_env_override(monkeypatch):
     assert not calls  # an explicit impl is never overridden
 
 
-def test_flops_of_the_chunked_path_are_its_matmuls():
-    """The "scan" FLOPs the mixer reports (per token) == what FlopCounterMode counts in one chunked scan."""
+def test_flops_of_the_chunked_path_are_its_matmuls(fast):
+    """The "scan" FLOPs the mixer reports (per token) == what FlopCounterMode counts in one chunked scan (the
+    kernel's products through its registered formula: the same gemms, and two per forward one in the backward)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     b, L, h, p, g, n, chunk = 2, 100, 4, 8, 1, 16, 32
-    inp = make_inputs(b, L, h, p, g, n)
+    inp = {k: v.requires_grad_() for k, v in make_inputs(b, L, h, p, g, n).items()}
     with FlopCounterMode(display=False) as counter:
-        ssd_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk, D=inp["D"], impl="chunked")
+        y = ssd_scan(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk, D=inp["D"], impl=fast)
     nc, Q = ssd.chunk_layout(L, chunk)
     assert (nc, Q) == (4, 25)
     di = h * p
     want = nc * (2 * Q * Q * (g * n + di) + 4 * Q * n * di) * b
     assert counter.get_total_flops() == want
+    if fast == "cpu":
+        with FlopCounterMode(display=False) as counter:
+            y.sum().backward()
+        assert counter.get_total_flops() == 2 * want
 
 
 HAS_KERNEL = torch.cuda.is_available() and importlib.util.find_spec("mamba_ssm") is not None

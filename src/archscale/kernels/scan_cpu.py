@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 SOURCE = Path(__file__).with_name("csrc") / "selective_scan_cpu.cpp"
+SOURCES = [SOURCE, SOURCE.with_name("ssd_cpu.cpp")]  # one module; the headers beside them are read by both
 BLOCK = 64  # steps whose states the backward recomputes at a time (64 x d_state floats per channel)
 MAX_STATE = 256  # the kernel's d_state bound (its stack buffers; csrc MAX_STATE); larger runs the chunked path
 # -fopenmp: the kernel's parallel loops run in torch's own OpenMP pool (at::parallel_for; nothing is linked, the
@@ -70,7 +72,7 @@ def _load_locked():
             if not _built_before():
                 print("archscale: building the CPU selective-scan kernel (once per machine, about a minute) ...",
                       file=sys.stderr, flush=True)
-            _state["module"] = load(name=f"archscale_scan_cpu_{_machine_tag()}", sources=[str(SOURCE)],
+            _state["module"] = load(name=f"archscale_scan_cpu_{_machine_tag()}", sources=[str(x) for x in SOURCES],
                                     extra_cflags=FLAGS, verbose=False)
         except Exception as e:  # no compiler / ninja, or a failed build: the chunked path still works
             _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -287,3 +289,94 @@ def gated_norm_rows(x: Tensor, z: Tensor, w: Tensor, group: int, eps: float) -> 
     strides (copied only when the channel stride is not 1); w (d). Returns (b, L, d) fp32 contiguous;
     differentiable in x, z and w."""
     return _norm_fwd(_unit_channel_stride(x), _unit_channel_stride(z), w.float().contiguous(), group, eps)[0]
+
+
+# Mamba-2's SSD chunked scan (through kernels/ssd.py). Absent optional inputs (starts, D, h0) are empty tensors.
+@torch.library.custom_op("archscale::ssd_cpu_fwd", mutates_args=())
+def _ssd_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, starts: Tensor, D: Tensor, h0: Tensor,
+             chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    y, states, CB = _load().ssd_forward(x, dt, A, B, C, starts, D, h0, chunk, torch.get_num_threads())
+    return y, states, CB
+
+
+@_ssd_fwd.register_fake
+def _(x, dt, A, B, C, starts, D, h0, chunk):
+    b, L, h, p = x.shape
+    g, n = B.shape[2:]
+    nc = -(-L // chunk)
+    return x.new_empty(b, L, h, p), x.new_empty(b, h, nc + 1, p, n), x.new_empty(b, g, nc, chunk, chunk)
+
+
+@torch.library.custom_op("archscale::ssd_cpu_bwd", mutates_args=())
+def _ssd_bwd(gy: Tensor, glast: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, starts: Tensor,
+             D: Tensor, states: Tensor, CB: Tensor, has_h0: bool,
+             chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return tuple(_load().ssd_backward(gy, glast, x, dt, A, B, C, starts, D, states, CB, has_h0, chunk,
+                                      torch.get_num_threads()))
+
+
+@_ssd_bwd.register_fake
+def _(gy, glast, x, dt, A, B, C, starts, D, states, CB, has_h0, chunk):
+    b, L, h, p = x.shape
+    return (x.new_empty(x.shape), x.new_empty(dt.shape), x.new_empty(b, h), x.new_empty(B.shape),
+            x.new_empty(C.shape), x.new_empty(b, h, p) if D.numel() else x.new_empty(0),
+            x.new_empty(b, h, p, B.shape[-1]) if has_h0 else x.new_empty(0))
+
+
+def _ssd_setup(ctx, inputs, output):
+    x, dt, A, B, C, starts, D, h0, chunk = inputs
+    ctx.save_for_backward(x, dt, A, B, C, starts, D, output[1], output[2])
+    ctx.chunk, ctx.has_h0 = chunk, h0.numel() > 0
+
+
+def _ssd_backward(ctx, gy, gstates, _gCB):
+    x, dt, A, B, C, starts, D, states, CB = ctx.saved_tensors
+    glast = x.new_empty(0) if gstates is None else gstates[:, :, -1].contiguous()  # only the final state is seen
+    gy = x.new_zeros(x.shape) if gy is None else _dense_rows(gy)
+    dx, ddt, dA, dB, dC, dD, dh0 = _ssd_bwd(gy, glast, x, dt, A, B, C, starts, D, states, CB, ctx.has_h0,
+                                            ctx.chunk)
+    return (dx, ddt, dA.sum(0), dB, dC, None, dD.sum(0) if D.numel() else None, dh0 if ctx.has_h0 else None,
+            None)
+
+
+_ssd_fwd.register_autograd(_ssd_backward, setup_context=_ssd_setup)
+
+
+def _dense_rows(t: Tensor) -> Tensor:
+    """t with its last two dims dense (what the kernel reads per row); any batch and time strides are kept."""
+    return t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+
+
+def ssd_chunks(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: int, starts: Tensor | None,
+               D: Tensor | None, h0: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The SSD chunked scan (kernels/ssd.py's semantics) on the C++ kernel, fp32 inputs: x (b, L, h, p); dt
+    (b, L, h) after bias and softplus; A (h,); B, C (b, L, g, n); starts (b, L) bool or None; D (h, p) or None;
+    h0 (b, h, p, n) or None; chunks of `chunk` steps (the last may be shorter). Returns (y (b, L, h, p), the final
+    state (b, h, p, n)), differentiable in every tensor but starts."""
+    empty = x.new_empty(0)
+    y, states, _ = _ssd_fwd(_dense_rows(x), dt.contiguous(), A.contiguous(), _dense_rows(B), _dense_rows(C),
+                            empty.bool() if starts is None else starts.contiguous(),
+                            empty if D is None else D.contiguous(), empty if h0 is None else h0.contiguous(), chunk)
+    return y, states[:, :, -1]
+
+
+def _ssd_forward_flops(x_shape, B_shape, chunk: int) -> int:
+    """The chunked algorithm's products (what FlopCounterMode counts in kernels/ssd.py's torch path): per chunk of
+    Q steps, C B^T (2 Q^2 g n), the intra-chunk product (2 Q^2 h p), the chunk's state and the read-out of the
+    entering state (2 Q n h p each; the kernel skips the first chunk's read-out of a zero state, counted here
+    as in the torch path)."""
+    b, L, h, p = x_shape
+    g, n = B_shape[2:]
+    nc = -(-L // chunk) if L else 0
+    return b * nc * (2 * chunk * chunk * (g * n + h * p) + 4 * chunk * n * h * p)
+
+
+@register_flop_formula(torch.ops.archscale.ssd_cpu_fwd)
+def _(x_shape, dt_shape, A_shape, B_shape, C_shape, starts_shape, D_shape, h0_shape, chunk, *args, **kwargs):
+    return _ssd_forward_flops(x_shape, B_shape, chunk)
+
+
+@register_flop_formula(torch.ops.archscale.ssd_cpu_bwd)
+def _(gy_shape, glast_shape, x_shape, dt_shape, A_shape, B_shape, *args, **kwargs):
+    chunk = args[-1]  # (C, starts, D, states, CB, has_h0, chunk): every forward product has two in the backward
+    return 2 * _ssd_forward_flops(x_shape, B_shape, chunk)

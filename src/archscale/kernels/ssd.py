@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from archscale.kernels import scan_cpu
 from archscale.kernels.dispatch import Dispatch, Impl, cuda_impl
 from archscale.kernels.selective_scan import ENV_VAR, _mamba_ssm
 from archscale.kernels.ssd_fused import intra_chunk
@@ -62,12 +63,13 @@ def cuda_ssd_available() -> bool:
     return torch.cuda.is_available() and _mamba_ssm("mamba_chunk_scan_combined") is not None
 
 
-# ARCHSCALE_SCAN_IMPL is shared with Mamba-1's scan: its "cpu" (the C++ scan) runs the chunked path here
+# ARCHSCALE_SCAN_IMPL is shared with Mamba-1's scan: "cpu" is the C++ module for both
 SSD = Dispatch("ssd_scan", (
     cuda_impl("cuda", lambda: _mamba_ssm("mamba_chunk_scan_combined"), "mamba-ssm"),
+    Impl("cpu", scan_cpu.unavailable_for),
     Impl("chunked"),
     Impl("ref"),
-), env_var=ENV_VAR, aliases={"cpu": "chunked"})
+), env_var=ENV_VAR)
 
 
 def document_starts(seq_idx: Tensor) -> Tensor:
@@ -110,6 +112,12 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size:
             dtf = F.softplus(dtf)
         starts = None if seq_idx is None else document_starts(seq_idx)
         h0 = None if initial_state is None else initial_state.float()
+        if impl == "cpu" and x.shape[1] > 0:  # the D skip is inside the kernel
+            Dhp = None if D is None else (D.float()[:, None] if D.dim() == 1 else D.float()).expand(x.shape[2:])
+            y, last = scan_cpu.ssd_chunks(xf, dtf, A.float(), B.float(), C.float(),
+                                          chunk_layout(x.shape[1], min(chunk_size, TORCH_CHUNK))[1], starts, Dhp, h0)
+            y = y.to(x.dtype)
+            return (y, last) if return_final_state else y
         if impl == "ref":
             y, last = _ssd_ref(xf, dtf, A.float(), B.float(), C.float(), starts, h0)
         else:

@@ -195,24 +195,36 @@ def mamba2_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, floa
 
 
 def mamba2_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
-    """Per token: in_proj's input and output, the conv and silu outputs, the scan's fp32 inputs and output and the
-    gated norm's fp32 input (7.5 d_inner elements in the activation dtype + 30 B per d_inner channel in fp32; 18 B on
-    CPU, where the gated norm's C++ kernel keeps its two fp32 inputs instead of autograd's four intermediates), B/C
-    (33 B per group state, fp32) and, in the torch chunked scan (CPU), two fp32 Q x Q matrices per head and chunk
-    (`ssd_fused.intra_chunk` keeps the decays and their product with C B^T: 8 B per head and chunk position, Q = the
-    chunk length at this sequence length; mamba-ssm's CUDA kernel recomputes them). Measured with `memory_measure.saved_by_block`. "mamba2_mem"
-    keeps its fp32 output (the nGMU memory) across a checkpointed block."""
+    """Per token, what the layer keeps for its backward (measured with `memory_measure.saved_by_block`).
+    "mamba2_mem" also keeps its fp32 output (the nGMU memory) across a checkpointed block; without checkpointing
+    that tensor is the gated norm's saved input, already counted.
+
+    On CUDA (mamba-ssm's kernel recomputes its chunk factors): in_proj's input and output, the conv and silu
+    outputs, the scan's fp32 inputs and output and the gated norm's fp32 input (7.5 d_inner elements in the
+    activation dtype + 30 B per d_inner channel in fp32) and B/C (33 B per group state, fp32). On CPU, see
+    `_cpu_saved`."""
     opts = options(config)
     di = d_inner(config)
     memory = {"gmu_memory": 4 * di} if kind == "mamba2_mem" else {}
     if env.act_ckpt:
         return memory
-    fp32 = 18 if env.device == "cpu" else 30
-    out = {"mamba2": env.act_bytes * 7.5 * di + fp32 * di + 33 * 2 * opts.ngroups * opts.d_state}
-    if env.device == "cpu":
-        _, Q = chunk_layout(env.seq_len, min(opts.chunk_size, TORCH_CHUNK))
-        out["scan_chunks"] = 8.0 * (di // opts.headdim) * Q
-    return out
+    if env.device == "cpu":  # the memory is the norm's fp32 input: counted there
+        return _cpu_saved(config, opts, di, env)
+    return {"mamba2": env.act_bytes * 7.5 * di + 30 * di + 33 * 2 * opts.ngroups * opts.d_state}
+
+
+def _cpu_saved(config: ModelConfig, opts: Mamba2Options, di: int, env: SaveEnv) -> dict[str, float]:
+    """With the C++ SSD kernel (`scan_cpu.ssd_chunks`): in_proj's and out_proj's inputs (activation dtype); the
+    conv kernel's fp32 input (x, B, C); dt and its softplus (fp32, per head); the scan's fp32 x, B and C (views
+    of the conv output in fp32, copies under autocast: the same bytes); the gated norm kernel's fp32 inputs and
+    its per-group scale; and the kernel's own: the state entering every chunk and the final one (p x n per head)
+    and C B^T per chunk and group (Q x Q), per token at this length."""
+    g, n, h = opts.ngroups, opts.d_state, di // opts.headdim
+    nc, Q = chunk_layout(env.seq_len, min(opts.chunk_size, TORCH_CHUNK))
+    tokens = max(env.seq_len, 1)
+    layer = (env.act_bytes * (config.n_embd + di) + 4 * (di + 2 * g * n) + 8 * h + 4 * (di + 2 * g * n)
+             + 8 * di + 4 * g)
+    return {"mamba2": layer, "scan_chunks": 4.0 * (di * n * (nc + 1) + g * nc * Q * Q) / tokens}
 
 
 SPEC = register(MixerSpec(
