@@ -138,7 +138,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per model first")
     p.add_argument("--skip_hf", action="store_true")
-    p.add_argument("--scan_impl", default="chunked", help="our ssd_scan impl (chunked, ref, auto)")
+    p.add_argument("--scan_impl", default="auto", help="our ssd_scan impl: auto (the C++ kernel on CPU when it builds), cpu, chunked (the torch path), ref")
     p.add_argument("--chunk_size", type=int, default=256, help="the model's chunk_size (both models)")
     p.add_argument("--torch_chunk", type=int, default=0, help="override our chunked path's longest chunk")
     p.add_argument("--batch", type=int, default=4)

@@ -259,3 +259,22 @@ def test_cuda_kernel_matches_reference():
                         inputs["C"][:, :1], 4, D=inputs["D"], dt_bias=inputs["dt_bias"], dt_softplus=True,
                         initial_state=inputs["initial_state"], impl="ref")
         torch.testing.assert_close(y, want[:, 0], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(not scan_cpu.available(), reason="the C++ CPU module did not build")
+def test_kernel_is_the_same_on_one_thread_and_two():
+    """One (batch, group) pair: on two threads the kernel's backward splits the group's heads into two partial
+    sums (slots), on one it accumulates in place; values and gradients agree, and match the reference."""
+    inputs = make_inputs(1, 45, 4, 3, 1, 5, seed=21)
+    use = ("D", "dt_bias", "initial_state")
+    seq = doc_labels(1, 45, seed=21)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run("cpu", inputs, use, 16, seq)
+        torch.set_num_threads(2)
+        two = run("cpu", inputs, use, 16, seq)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(two, one, rtol_values=1e-6, rtol_grads=1e-6)
+    assert_close(one, run("ref", inputs, use, 16, seq))

@@ -20,7 +20,13 @@ token 0.
 Implementations (``impl=``):
 
 - ``"ref"``: a loop over time with differentiable torch ops; the oracle the others are tested against.
-- ``"chunked"``: the block decomposition in batched matmuls (the CPU default): per chunk, C B^T and the masked
+- ``"cpu"`` (the CPU default): the same block decomposition as one C++ kernel with a hand-written backward
+  (``csrc/ssd_cpu.cpp``, built with Mamba-1's scan by `kernels/scan_cpu.py`). Each (batch, head) pair walks its
+  chunks in order with the chunk's (Q, Q) decays, inputs and state in cache, the products as BLAS gemms on those
+  blocks, so none of the torch path's elementwise passes over (batch, length, heads, ...) tensors is made; it
+  keeps only the state entering each chunk and C B^T per chunk for its backward. The last chunk may be shorter
+  (nothing is padded). Falls back to ``"chunked"`` (with one warning) where the module cannot be built.
+- ``"chunked"``: the block decomposition in batched matmuls (the CPU path without the C++ module): per chunk, C B^T and the masked
   decays ``exp(Acum_l - Acum_s)`` (only exponents <= 0 are ever formed, so strong decay underflows to 0 instead
   of overflowing), the intra-chunk product, each chunk's final state from a zero start, then a loop over the
   chunks passes the true states on, and each chunk reads its incoming state. Autograd differentiates it.
@@ -29,9 +35,10 @@ Implementations (``impl=``):
   is padded.
 - ``"cuda"``: ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined`` (needs the ``mamba-ssm`` package
   and CUDA tensors; it takes seq_idx and initial states too).
-- ``"auto"`` (default): ``"cuda"`` when mamba-ssm imports and ``x`` is on CUDA, else ``"chunked"``.
+- ``"auto"`` (default): ``"cuda"`` when mamba-ssm imports and ``x`` is on CUDA, else ``"cpu"`` when the C++ module
+  is built, else ``"chunked"``.
 
-``ARCHSCALE_SCAN_IMPL=ref|chunked|cuda|auto`` replaces ``impl="auto"`` here as for Mamba-1's scan.
+``ARCHSCALE_SCAN_IMPL=ref|chunked|cpu|cuda|auto`` replaces ``impl="auto"`` here as for Mamba-1's scan.
 """
 
 from __future__ import annotations
@@ -47,12 +54,14 @@ from archscale.kernels.dispatch import Dispatch, Impl, cuda_impl
 from archscale.kernels.selective_scan import ENV_VAR, _mamba_ssm
 from archscale.kernels.ssd_fused import intra_chunk
 
-# The chunked path's longest chunk. Its work per token is ~Q h elementwise on the (Q, Q) decays plus
-# ~d_inner n / Q on the per-chunk states; on CPU the two balance near Q = sqrt(p n) (~90 at Mamba-2's sizes): one
-# scan forward + backward at B4 T512, 16 heads x 64, d_state 128 took 2.0 s at Q = 64 or 128 and 3.5 s at
-# ArchScale's 256 (2 loaded cores; `benchmarks/mamba2_throughput.py --torch_chunk Q` times the whole model). The
-# result does not depend on the chunking except through rounding; mamba-ssm's CUDA kernel keeps chunk_size.
-TORCH_CHUNK = 128
+# The CPU paths' longest chunk (the C++ kernel's and the torch chunked path's). Per token the intra-chunk
+# products cost ~2 Q d_inner and the state's ~4 n d_inner whatever Q; a shorter chunk makes more, smaller gemms
+# and sequential state steps. One scan forward + backward at B4 T512, 16 heads x 64, d_state 128 (2 cores,
+# medians of 9, kernel then torch): the kernel 47-52 ms at Q = 64 against 53-61 ms at 128 and 75 ms at
+# ArchScale's 256; the torch path 133 ms at 64 against 123 ms at 128 (an earlier run: 2.0 s either way, 3.5 s
+# at 256). The result does not depend on the chunking except through rounding; mamba-ssm's CUDA kernel keeps
+# chunk_size. `benchmarks/mamba2_throughput.py --torch_chunk Q` times the whole model at another Q.
+TORCH_CHUNK = 64
 # step 1 of the chunked path (the (Q, Q) decays and the intra-chunk product): True = `ssd_fused.intra_chunk`,
 # one autograd node with a hand-written backward; False = the same maths through autograd (tests run both)
 FUSED_INTRA = True

@@ -4,8 +4,10 @@
 // into matmul layouts, the masks and autograd's sums are each a pass over (batch, length, heads, ...) tensors.
 // Here one (batch, head) pair walks its chunks in order, every block it touches (Q x Q decays, Q x p inputs,
 // the p x n state) in L2, and the products are gemms on those blocks (torch's own BLAS, one thread each inside
-// torch's OpenMP pool). Nothing of size length x Q per head is written except the backward's per-head partial
-// gradients of C B^T, B and C, which a last pass over (batch, group, chunk) sums over the group's heads.
+// torch's OpenMP pool). Nothing of size length x Q per head is written. The backward runs a group's heads in one
+// task, which accumulates the group's gradients of B, C and C B^T in place (split into per-set partial sums
+// only when there are fewer (batch, group) pairs than threads); a last pass over (batch, group, chunk) takes
+// C B^T's gradient through its product.
 //
 // Semantics (ssd.py's reference): per head, dt_t > 0 (after bias and softplus, done in torch), A < 0,
 //     H_t = exp(dt_t A) H_{t-1} + dt_t x_t B_t^T      (p x n; H_{-1} = h0 or 0; a document start zeroes it)
@@ -113,6 +115,7 @@ struct Chunk {
     }
     const float last = acum[Qc - 1];
     const int rl = r[Qc - 1];
+#pragma omp simd
     for (int64_t l = 0; l < Qc; ++l) {
       eA[l] = r[l] == 0 ? fast_exp(acum[l]) : 0.0f;
       te[l] = r[l] == rl ? fast_exp(last - acum[l]) : 0.0f;
@@ -122,9 +125,17 @@ struct Chunk {
 
   // decay (Qc x Qc, ld Q): exp(acum_l - acum_s) for s <= l in one document (1 on the diagonal), else 0
   void decays(int64_t Q, float* decay) const {
+    const float* __restrict__ ac = acum.data();
+    const int* __restrict__ rs = r.data();
     for (int64_t l = 0; l < Qc; ++l) {
-      float* row = decay + l * Q;
-      for (int64_t s2 = 0; s2 < l; ++s2) row[s2] = r[s2] == r[l] ? fast_exp(acum[l] - acum[s2]) : 0.0f;
+      float* __restrict__ row = decay + l * Q;
+      const float al = ac[l];
+      const int rl = rs[l];
+#pragma omp simd
+      for (int64_t s2 = 0; s2 < l; ++s2) {
+        const float e = fast_exp(al - ac[s2]);
+        row[s2] = rs[s2] == rl ? e : 0.0f;
+      }
       row[l] = 1.0f;
       std::fill(row + l + 1, row + Qc, 0.0f);
     }
@@ -201,17 +212,20 @@ struct Scratch {
         Ce(s.Q * s.n), dCe(s.Q * s.n), dS(s.p * s.n), dacum(s.Q), dte(s.Q), dD(s.p) {}
 };
 
-// Gradient buffers: the pair's own (dx, ddt, dA, dD per (batch, head)), per-head partials of the group's
-// (dB, dC, d(C B^T)), and dh0.
+// Gradient buffers: the pair's own (dx, ddt, dA, dD per (batch, head)), dh0, and the group's dB, dC and
+// d(C B^T), which the pairs accumulate into: each group's heads are split into `slots` sets, one task each, and
+// every set accumulates into its own slot (b, L, g * slots, n) / (b, g * slots, nc, Q, Q), zeroed first. With one
+// slot (enough tasks without splitting groups) dB and dC are accumulated in place.
 struct Grads {
   const float* gy;
   int64_t sgb, sgt;
   const float* glast;
-  float *dx, *ddt, *dA, *dD, *dh0, *dBh, *dCh, *dCBh;
+  float *dx, *ddt, *dA, *dD, *dh0, *dBp, *dCp, *dCBp;
+  int64_t slots;
 };
 
 // The state's part of one chunk's backward: the write S_{c+1} += (te * Xs)^T B read through dS = dS_{c+1}
-// (into dXs, dte and the head's dB rows); returns d a = sum dS * S_c.
+// (into dXs, dte and the head's part of the dB rows); returns d a = sum dS * S_c.
 float state_write_backward(const In& in, const Dims& s, Scratch& w, const float* Bb, const float* Sc,
                            float* dBh, int64_t ldh) {
   const int64_t Qc = w.ch.Qc, P = s.p, N = s.n;
@@ -221,6 +235,7 @@ float state_write_backward(const In& in, const Dims& s, Scratch& w, const float*
     const float* xs = w.Xs.data() + l * P;
     float* dxs = w.dXs.data() + l * P;
     float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
     for (int64_t k = 0; k < P; ++k) {
       acc += g[k] * xs[k];
       dxs[k] += w.ch.te[l] * g[k];
@@ -228,13 +243,15 @@ float state_write_backward(const In& in, const Dims& s, Scratch& w, const float*
     }
     w.dte[l] = acc;
   }
-  mm(false, false, Qc, N, P, w.G.data(), P, w.dS.data(), N, 0.0f, dBh, ldh);
+  mm(false, false, Qc, N, P, w.G.data(), P, w.dS.data(), N, 1.0f, dBh, ldh);
   float da = 0.0f;
-  for (int64_t i = 0; i < P * N; ++i) da += w.dS[i] * Sc[i];
+  const float* __restrict__ dS = w.dS.data();
+#pragma omp simd reduction(+ : da)
+  for (int64_t i = 0; i < P * N; ++i) da += dS[i] * Sc[i];
   return da;
 }
 
-// The intra-chunk product's backward: dM = dy Xs^T gives the head's d(C B^T) (dM * decay, lower triangle) and
+// The intra-chunk product's backward: dM = dy Xs^T adds the head's part of d(C B^T) (dM * decay, lower triangle) and
 // the decays' gradient into dacum (dM * M, strictly lower: + at l, - at s).
 void intra_backward(const Dims& s, Scratch& w, const float* dy, int64_t ldy, float* dCB) {
   const int64_t Qc = w.ch.Qc, Q = s.Q;
@@ -243,19 +260,20 @@ void intra_backward(const Dims& s, Scratch& w, const float* dy, int64_t ldy, flo
     const float *dm = w.dM.data() + l * Q, *m = w.M.data() + l * Q, *dc = w.decay.data() + l * Q;
     float* out = dCB + l * Q;
     float acc = 0.0f;
+    float* __restrict__ dacum = w.dacum.data();
+#pragma omp simd reduction(+ : acc)
     for (int64_t s2 = 0; s2 < l; ++s2) {
       const float e = dm[s2] * m[s2];
       acc += e;
-      w.dacum[s2] -= e;
-      out[s2] = dm[s2] * dc[s2];
+      dacum[s2] -= e;
+      out[s2] += dm[s2] * dc[s2];
     }
     w.dacum[l] += acc;
-    out[l] = dm[l];
-    std::fill(out + l + 1, out + Qc, 0.0f);
+    out[l] += dm[l];
   }
 }
 
-// The read-out of the entering state, y += diag(eA) C S_c^T: the head's dC rows, eA's gradient into dacum,
+// The read-out of the entering state, y += diag(eA) C S_c^T: the head's part of the dC rows, eA's gradient into dacum,
 // and dS becomes dS_c = a dS_{c+1} + dy^T (eA C).
 void readout_backward(const In& in, const Dims& s, Scratch& w, const float* dy, int64_t ldy, const float* Cb,
                       const float* Sc, float* dCh, int64_t ldh, bool dS_zero) {
@@ -266,9 +284,10 @@ void readout_backward(const In& in, const Dims& s, Scratch& w, const float* dy, 
     const float *dce = w.dCe.data() + l * N, *cr = Cb + l * in.sct;
     float *ce = w.Ce.data() + l * N, *out = dCh + l * ldh;
     float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
     for (int64_t k = 0; k < N; ++k) {
       acc += dce[k] * cr[k];
-      out[k] = e * dce[k];
+      out[k] += e * dce[k];
       ce[k] = e * cr[k];
     }
     w.dacum[l] += e * acc;
@@ -292,6 +311,7 @@ void inputs_backward(const In& in, const Dims& s, int64_t bi, int64_t hh, Scratc
     const float *xr = in.x + bi * in.sxb + t * in.sxt + hh * P, *dxs = w.dXs.data() + l * P, *dyr = dy + l * ldy;
     float* dxr = gr.dx + ((bi * s.L + t) * s.h + hh) * P;
     float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
     for (int64_t k = 0; k < P; ++k) {
       acc += dxs[k] * xr[k];
       dxr[k] = d * dxs[k] + (Dh ? Dh[k] * dyr[k] : 0.0f);
@@ -303,9 +323,10 @@ void inputs_backward(const In& in, const Dims& s, int64_t bi, int64_t hh, Scratc
   }
 }
 
-void backward_pair(const In& in, const Dims& s, int64_t bi, int64_t hh, const float* CB, const float* states,
-                   bool has_h0, const Grads& gr, Scratch& w) {
-  const int64_t gi = hh / (s.h / s.g), Q = s.Q, P = s.p, N = s.n, ldh = s.h * N, pair = bi * s.h + hh;
+void backward_pair(const In& in, const Dims& s, int64_t bi, int64_t hh, int64_t slot, const float* CB,
+                   const float* states, bool has_h0, const Grads& gr, Scratch& w) {
+  const int64_t gi = hh / (s.h / s.g), Q = s.Q, P = s.p, N = s.n, pair = bi * s.h + hh;
+  const int64_t ldh = s.g * gr.slots * N, sl = gi * gr.slots + slot;  // this head's slot among the batch row's
   const float* S = states + pair * (s.nc + 1) * P * N;
   bool dS_zero = gr.glast == nullptr;
   if (!dS_zero) std::copy_n(gr.glast + pair * P * N, P * N, w.dS.data());
@@ -323,22 +344,18 @@ void backward_pair(const In& in, const Dims& s, int64_t bi, int64_t hh, const fl
     const float* dy = gr.gy + bi * gr.sgb + t0 * gr.sgt + hh * P;
     const float *Sc = S + c * P * N, *Bb = in.B + bi * in.sbb + t0 * in.sbt + gi * N,
                 *Cb = in.C + bi * in.scb + t0 * in.sct + gi * N;
-    float *dBh = gr.dBh + (bi * s.L + t0) * ldh + hh * N, *dCh = gr.dCh + (bi * s.L + t0) * ldh + hh * N;
+    float *dBh = gr.dBp + (bi * s.L + t0) * ldh + sl * N, *dCh = gr.dCp + (bi * s.L + t0) * ldh + sl * N;
     mm(true, false, Qc, P, Qc, w.M.data(), Q, dy, gr.sgt, 0.0f, w.dXs.data(), P);  // dXs = M^T dy
     std::fill_n(w.dacum.begin(), Qc, 0.0f);
     std::fill_n(w.dte.begin(), Qc, 0.0f);
     float da = 0.0f;
     if (!dS_zero) {
       da = state_write_backward(in, s, w, Bb, Sc, dBh, ldh);
-    } else {
-      for (int64_t l = 0; l < Qc; ++l) std::fill_n(dBh + l * ldh, N, 0.0f);
     }
-    intra_backward(s, w, dy, gr.sgt, gr.dCBh + (pair * s.nc + c) * Q * Q);
+    intra_backward(s, w, dy, gr.sgt, gr.dCBp + ((bi * s.g * gr.slots + sl) * s.nc + c) * Q * Q);
     if (c > 0 || has_h0) {
       readout_backward(in, s, w, dy, gr.sgt, Cb, Sc, dCh, ldh, dS_zero);
       dS_zero = false;
-    } else {
-      for (int64_t l = 0; l < Qc; ++l) std::fill_n(dCh + l * ldh, N, 0.0f);
     }
     const int64_t last = Qc - 1;
     for (int64_t l = 0; l < Qc; ++l) {  // te_l = exp(acum_last - acum_l)
@@ -357,27 +374,27 @@ void backward_pair(const In& in, const Dims& s, int64_t bi, int64_t hh, const fl
   }
 }
 
-// dB, dC (b, L, g, n): the group's heads' partials summed, plus C B^T's gradient (its heads' sum) through the
-// product: dC += d(CB) B, dB += d(CB)^T C.
+// dB, dC (b, L, g, n): the group's slots summed (nothing to sum with one slot: the pairs accumulated in place),
+// plus C B^T's gradient (its slots' sum) through the product: dC += d(CB) B, dB += d(CB)^T C.
 void group_backward(const In& in, const Dims& s, const Grads& gr, float* dB, float* dC, int threads) {
-  const int64_t hg = s.h / s.g, Q = s.Q, N = s.n, ldh = s.h * N, ldg = s.g * N;
+  const int64_t Q = s.Q, N = s.n, sl = gr.slots, ldp = s.g * sl * N, ldg = s.g * N;
   parallel_channels(s.b * s.g * s.nc, threads, [&](int, int64_t begin, int64_t end) {
     std::vector<float> dCB(Q * Q);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bi = task / (s.g * s.nc), gi = (task / s.nc) % s.g, c = task % s.nc;
       const int64_t t0 = c * Q, Qc = std::min(Q, s.L - t0);
       std::fill(dCB.begin(), dCB.end(), 0.0f);
-      for (int64_t j = 0; j < hg; ++j) {
-        const float* part = gr.dCBh + ((bi * s.h + gi * hg + j) * s.nc + c) * Q * Q;
+      for (int64_t j = 0; j < sl; ++j) {
+        const float* part = gr.dCBp + ((bi * s.g * sl + gi * sl + j) * s.nc + c) * Q * Q;
         for (int64_t i = 0; i < Qc * Q; ++i) dCB[i] += part[i];
       }
-      for (int64_t l = 0; l < Qc; ++l) {
-        const int64_t row = (bi * s.L + t0 + l);
+      for (int64_t l = 0; sl > 1 && l < Qc; ++l) {
+        const int64_t row = bi * s.L + t0 + l;
         float *db = dB + row * ldg + gi * N, *dc = dC + row * ldg + gi * N;
         std::fill_n(db, N, 0.0f);
         std::fill_n(dc, N, 0.0f);
-        for (int64_t j = 0; j < hg; ++j) {
-          const float *pb = gr.dBh + row * ldh + (gi * hg + j) * N, *pc = gr.dCh + row * ldh + (gi * hg + j) * N;
+        for (int64_t j = 0; j < sl; ++j) {
+          const float *pb = gr.dBp + row * ldp + (gi * sl + j) * N, *pc = gr.dCp + row * ldp + (gi * sl + j) * N;
           for (int64_t k = 0; k < N; ++k) {
             db[k] += pb[k];
             dc[k] += pc[k];
@@ -389,6 +406,15 @@ void group_backward(const In& in, const Dims& s, const Grads& gr, float* dB, flo
       mm(true, false, Qc, N, Qc, dCB.data(), Q, in.C + bi * in.scb + t0 * in.sct + gi * N, in.sct, 1.0f, dBb, ldg);
     }
   });
+}
+
+// Sets per group so that there are at least `threads` tasks: the smallest divisor of the group's heads that
+// gives as many (all the heads when none does).
+int64_t slots_for(const Dims& s, int64_t threads) {
+  const int64_t hg = s.h / s.g, want = (threads + s.b * s.g - 1) / (s.b * s.g);
+  for (int64_t k = std::max<int64_t>(want, 1); k < hg; ++k)
+    if (hg % k == 0) return k;
+  return hg;
 }
 
 }  // namespace
@@ -427,21 +453,25 @@ std::vector<torch::Tensor> ssd_backward(torch::Tensor gy, torch::Tensor glast, t
   TORCH_CHECK(gy.stride(3) == 1 && gy.stride(2) == s.p, "ssd_cpu: gy needs unit head and channel strides");
   auto f = x.options();
   auto dx = torch::empty({s.b, s.L, s.h, s.p}, f), ddt = torch::empty({s.b, s.L, s.h}, f);
-  auto dA = torch::empty({s.b, s.h}, f), dB = torch::empty({s.b, s.L, s.g, s.n}, f);
-  auto dC = torch::empty({s.b, s.L, s.g, s.n}, f);
+  const int64_t slots = slots_for(s, std::max<int64_t>(threads, 1)), per = s.h / s.g / slots;
+  auto dA = torch::empty({s.b, s.h}, f), dB = torch::zeros({s.b, s.L, s.g, s.n}, f);
+  auto dC = torch::zeros({s.b, s.L, s.g, s.n}, f);
   auto dD = D.numel() ? torch::empty({s.b, s.h, s.p}, f) : torch::empty({0}, f);
   auto dh0 = has_h0 ? torch::empty({s.b, s.h, s.p, s.n}, f) : torch::empty({0}, f);
-  auto dBh = torch::empty({s.b, s.L, s.h, s.n}, f), dCh = torch::empty({s.b, s.L, s.h, s.n}, f);
-  auto dCBh = torch::empty({s.b, s.h, s.nc, s.Q, s.Q}, f);
+  auto dBp = slots > 1 ? torch::zeros({s.b, s.L, s.g * slots, s.n}, f) : dB;
+  auto dCp = slots > 1 ? torch::zeros({s.b, s.L, s.g * slots, s.n}, f) : dC;
+  auto dCBp = torch::zeros({s.b, s.g * slots, s.nc, s.Q, s.Q}, f);
   Grads gr{gy.data_ptr<float>(), gy.stride(0), gy.stride(1), glast.numel() ? glast.data_ptr<float>() : nullptr,
            dx.data_ptr<float>(), ddt.data_ptr<float>(), dA.data_ptr<float>(),
            dD.numel() ? dD.data_ptr<float>() : nullptr, has_h0 ? dh0.data_ptr<float>() : nullptr,
-           dBh.data_ptr<float>(), dCh.data_ptr<float>(), dCBh.data_ptr<float>()};
+           dBp.data_ptr<float>(), dCp.data_ptr<float>(), dCBp.data_ptr<float>(), slots};
   const float *pst = states.data_ptr<float>(), *pcb = CB.data_ptr<float>();
-  parallel_channels(s.b * s.h, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
+  parallel_channels(s.b * s.g * slots, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
     Scratch w(s);
-    for (int64_t task = begin; task < end; ++task)
-      backward_pair(in, s, task / s.h, task % s.h, pcb, pst, has_h0, gr, w);
+    for (int64_t task = begin; task < end; ++task) {  // (batch, group, slot): the slot's heads in turn
+      const int64_t bi = task / (s.g * slots), sl = task % slots, h0 = (task / slots) % s.g * (s.h / s.g) + sl * per;
+      for (int64_t hh = h0; hh < h0 + per; ++hh) backward_pair(in, s, bi, hh, sl, pcb, pst, has_h0, gr, w);
+    }
   });
   group_backward(in, s, gr, dB.data_ptr<float>(), dC.data_ptr<float>(), static_cast<int>(threads));
   return {dx, ddt, dA, dB, dC, dD, dh0};
