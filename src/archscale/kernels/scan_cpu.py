@@ -304,7 +304,7 @@ def _(x, dt, A, B, C, starts, D, h0, chunk):
     b, L, h, p = x.shape
     g, n = B.shape[2:]
     nc = -(-L // chunk)
-    return x.new_empty(b, L, h, p), x.new_empty(b, h, nc + 1, p, n), x.new_empty(b, g, nc, chunk, chunk)
+    return x.new_empty(b, L, h, p), x.new_empty(b, nc + 1, h, p, n), x.new_empty(b, g, nc, chunk, chunk)
 
 
 @torch.library.custom_op("archscale::ssd_cpu_bwd", mutates_args=())
@@ -325,13 +325,14 @@ def _(gy, glast, x, dt, A, B, C, starts, D, states, CB, has_h0, chunk):
 
 def _ssd_setup(ctx, inputs, output):
     x, dt, A, B, C, starts, D, h0, chunk = inputs
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for the states and C B^T nobody reads
     ctx.save_for_backward(x, dt, A, B, C, starts, D, output[1], output[2])
     ctx.chunk, ctx.has_h0 = chunk, h0.numel() > 0
 
 
 def _ssd_backward(ctx, gy, gstates, _gCB):
     x, dt, A, B, C, starts, D, states, CB = ctx.saved_tensors
-    glast = x.new_empty(0) if gstates is None else gstates[:, :, -1].contiguous()  # only the final state is seen
+    glast = x.new_empty(0) if gstates is None else gstates[:, -1].contiguous()  # only the final state is seen
     gy = x.new_zeros(x.shape) if gy is None else _dense_rows(gy)
     dx, ddt, dA, dB, dC, dD, dh0 = _ssd_bwd(gy, glast, x, dt, A, B, C, starts, D, states, CB, ctx.has_h0,
                                             ctx.chunk)
@@ -357,7 +358,7 @@ def ssd_chunks(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk: in
     y, states, _ = _ssd_fwd(_dense_rows(x), dt.contiguous(), A.contiguous(), _dense_rows(B), _dense_rows(C),
                             empty.bool() if starts is None else starts.contiguous(),
                             empty if D is None else D.contiguous(), empty if h0 is None else h0.contiguous(), chunk)
-    return y, states[:, :, -1]
+    return y, states[:, -1]
 
 
 def _ssd_forward_flops(x_shape, B_shape, chunk: int) -> int:
