@@ -8,6 +8,10 @@ profiler), which hid where the time really went. The mode adds a few microsecond
 step is slower than an untimed one; its parts are compared with each other and with the same parts of another
 model's instrumented step, not with untimed steps.
 
+Ops with products inside that are not aten's (a custom kernel that registered its FLOPs for `FlopCounterMode`,
+e.g. the SSD scan's C++ kernel) are booked as other ops, their elementwise work being inseparable from their
+products there; their time and FLOPs are also reported apart ("kernels").
+
 The numbers a ratio target needs follow from it: if model A's products alone take longer than a fraction of
 model B's whole step, no work on A's other ops can bring A within that fraction of B (`bound`).
 
@@ -24,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 # aten products whose FLOPs are counted, by the position of their two factors among the op's arguments
 PRODUCTS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
@@ -37,13 +42,15 @@ def product_flops(name: str, args: tuple) -> float:
 
 
 class OpTimer(TorchDispatchMode):
-    """Wall-clock seconds per aten op (by name) and the counted product FLOPs, over everything run under it."""
+    """Wall-clock seconds per op (by name) and the counted product FLOPs, over everything run under it; apart, the
+    FLOPs of other ops with a registered formula (custom kernels), by name."""
 
     def __init__(self):
         super().__init__()
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls: collections.Counter = collections.Counter()
         self.flops = 0.0
+        self.kernel_flops: dict[str, float] = collections.defaultdict(float)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         t0 = time.perf_counter()
@@ -53,13 +60,16 @@ class OpTimer(TorchDispatchMode):
         self.calls[name] += 1
         if name in PRODUCTS:
             self.flops += product_flops(name, args)
+        elif func.overloadpacket in flop_registry and func.namespace != "aten":
+            self.kernel_flops[name] += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
         return out
 
 
 def breakdown(step: Callable[[], object], steps: int = 2) -> dict:
     """Per step (means over `steps` instrumented steps): wall seconds; seconds in the products and in every
     other op; the rest of the wall time (Python, autograd's engine, the mode itself); the products' FLOPs; and
-    the five slowest other ops {name: seconds}."""
+    the five slowest other ops {name: seconds}; and the custom kernels with products inside, among the other ops
+    (seconds and FLOPs)."""
     timer = OpTimer()
     t0 = time.perf_counter()
     with timer:
@@ -69,8 +79,10 @@ def breakdown(step: Callable[[], object], steps: int = 2) -> dict:
     matmul = sum(s for n, s in timer.seconds.items() if n in PRODUCTS) / steps
     other = sum(s for n, s in timer.seconds.items() if n not in PRODUCTS) / steps
     slowest = sorted(((s / steps, n) for n, s in timer.seconds.items() if n not in PRODUCTS), reverse=True)[:5]
+    kernel_s = sum(timer.seconds[n] for n in timer.kernel_flops) / steps
     return {"wall_s": wall, "matmul_s": matmul, "other_s": other, "untimed_s": wall - matmul - other,
-            "matmul_flop": timer.flops / steps, "slowest_other": {n: s for s, n in slowest}}
+            "matmul_flop": timer.flops / steps, "kernel_s": kernel_s,
+            "kernel_flop": sum(timer.kernel_flops.values()) / steps, "slowest_other": {n: s for s, n in slowest}}
 
 
 def interleaved(steps: dict[str, Callable[[], object]], rounds: int = 3) -> dict[str, dict]:
@@ -107,6 +119,9 @@ def describe_bound(name: str, parts: dict, base_name: str, base: dict, target: f
 
 def describe(name: str, parts: dict) -> str:
     slow = ", ".join(f"{n} {s * 1e3:.0f}" for n, s in parts["slowest_other"].items())
+    kernels = (f"; of the other ops, kernels with products inside {parts['kernel_s'] * 1e3:,.0f} ms "
+               f"({parts['kernel_flop'] / 1e9:.1f} GFLOP)" if parts.get("kernel_flop") else "")
     return (f"  {name}: instrumented step {parts['wall_s'] * 1e3:,.0f} ms = products {parts['matmul_s'] * 1e3:,.0f} ms "
-            f"({parts['matmul_flop'] / 1e9:.1f} GFLOP, {parts['matmul_flop'] / parts['matmul_s'] / 1e9:.0f} GFLOP/s) "
-            f"+ other ops {parts['other_s'] * 1e3:,.0f} ms (slowest: {slow}) + untimed {parts['untimed_s'] * 1e3:,.0f} ms")
+            f"({parts['matmul_flop'] / 1e9:.1f} GFLOP, {parts['matmul_flop'] / max(parts['matmul_s'], 1e-9) / 1e9:.0f} GFLOP/s) "
+            f"+ other ops {parts['other_s'] * 1e3:,.0f} ms (slowest: {slow}) + untimed {parts['untimed_s'] * 1e3:,.0f} ms"
+            f"{kernels}")

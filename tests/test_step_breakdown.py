@@ -70,3 +70,26 @@ def test_interleaved_takes_each_models_median(sb, monkeypatch):
     parts = sb.interleaved({"a": lambda: "a", "b": lambda: "b"}, rounds=3)
     assert order == ["a", "b", "b", "a", "a", "b"]
     assert parts["a"]["matmul_s"] == 3.0 and parts["b"]["matmul_s"] == 5.0   # medians of (1, 7, 3) and (5, 2, 6)
+
+
+def test_custom_kernel_flops_are_booked_apart(sb):
+    """The SSD scan's C++ kernel (a custom op with a registered FLOP formula): its FLOPs are counted as torch's
+    FlopCounterMode counts them, apart from the aten products, and its time stays among the other ops."""
+    from archscale.kernels import scan_cpu
+    from archscale.kernels.ssd import ssd_scan
+
+    if not scan_cpu.available():
+        pytest.skip("the C++ CPU module did not build")
+    g = torch.Generator().manual_seed(0)
+    x, B, C = (torch.randn(2, 40, *shape, generator=g).requires_grad_() for shape in ((4, 8), (1, 16), (1, 16)))
+    dt, A = torch.rand(2, 40, 4, generator=g), -torch.rand(4, generator=g)
+
+    def step():
+        ssd_scan(x, dt, A, B, C, 16, impl="cpu").square().sum().backward()
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    parts = sb.breakdown(step, steps=2)
+    assert parts["kernel_flop"] == counter.get_total_flops() > 0
+    assert parts["matmul_flop"] == 0 and 0 < parts["kernel_s"] <= parts["other_s"]
+    assert "kernels with products inside" in sb.describe("m", parts)
