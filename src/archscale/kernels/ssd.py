@@ -21,14 +21,16 @@ Implementations (``impl=``):
 
 - ``"ref"``: a loop over time with differentiable torch ops; the oracle the others are tested against.
 - ``"cpu"`` (the CPU default): the same block decomposition as one C++ kernel with a hand-written backward
-  (``csrc/ssd_cpu.cpp``, built with Mamba-1's scan by `kernels/scan_cpu.py`). Each (batch, head) pair walks its
-  chunks in order with the chunk's (Q, Q) decays, inputs and state in cache, the products as BLAS gemms on those
-  blocks, so none of the torch path's elementwise passes over (batch, length, heads, ...) tensors is made; it
-  keeps only the state entering each chunk and C B^T per chunk for its backward. The last chunk may be shorter
-  (nothing is padded). Falls back to ``"chunked"`` (with one warning) where the module cannot be built.
-- ``"chunked"``: the block decomposition in batched matmuls (the CPU path without the C++ module): per chunk, C B^T and the masked
-  decays ``exp(Acum_l - Acum_s)`` (only exponents <= 0 are ever formed, so strong decay underflows to 0 instead
-  of overflowing), the intra-chunk product, each chunk's final state from a zero start, then a loop over the
+  (``csrc/ssd_cpu.cpp``, built with Mamba-1's scan by `kernels/scan_cpu.py`). One task per batch row and group
+  of heads walks its chunks in order with the chunk's blocks in cache: per head the (Q, Q) decays and the
+  intra-chunk product, and for the whole group (B and C are shared by its heads) the products with B, C and the
+  states as one gemm each, through the BLAS torch links; none of the torch path's elementwise passes over
+  (batch, length, heads, ...) tensors is made, and it keeps only the state entering each chunk and C B^T per
+  chunk for its backward. The last chunk may be shorter (nothing is padded). Falls back to ``"chunked"`` (with
+  one warning) where the module cannot be built.
+- ``"chunked"``: the block decomposition in batched matmuls (the CPU path without the C++ module): per chunk,
+  C B^T and the masked decays ``exp(Acum_l - Acum_s)`` (only exponents <= 0 are ever formed, so strong decay
+  underflows to 0 instead of overflowing), the intra-chunk product, each chunk's final state from a zero start, then a loop over the
   chunks passes the true states on, and each chunk reads its incoming state. Autograd differentiates it.
   Chunks are balanced: L is split into ceil(L / Q) chunks of equal length, Q = min(chunk_size, TORCH_CHUNK) (the
   math does not depend on where chunks end, only the rounding does), so a short sequence is one chunk and little
@@ -57,7 +59,7 @@ from archscale.kernels.ssd_fused import intra_chunk
 # The CPU paths' longest chunk (the C++ kernel's and the torch chunked path's). Per token the intra-chunk
 # products cost ~2 Q d_inner and the state's ~4 n d_inner whatever Q; a shorter chunk makes more, smaller gemms
 # and sequential state steps. One scan forward + backward at B4 T512, 16 heads x 64, d_state 128 (2 cores,
-# medians of 9, kernel then torch): the kernel 47-52 ms at Q = 64 against 53-61 ms at 128 and 75 ms at
+# medians of 9, kernel then torch): the kernel 45-52 ms at Q = 64 against 50-61 ms at 128 and 75 ms at
 # ArchScale's 256; the torch path 133 ms at 64 against 123 ms at 128 (an earlier run: 2.0 s either way, 3.5 s
 # at 256). The result does not depend on the chunking except through rounding; mamba-ssm's CUDA kernel keeps
 # chunk_size. `benchmarks/mamba2_throughput.py --torch_chunk Q` times the whole model at another Q.
