@@ -291,6 +291,48 @@ def gated_norm_rows(x: Tensor, z: Tensor, w: Tensor, group: int, eps: float) -> 
     return _norm_fwd(_unit_channel_stride(x), _unit_channel_stride(z), w.float().contiguous(), group, eps)[0]
 
 
+# The plain RMSNorm (through kernels/rms_norm.py).
+@torch.library.custom_op("archscale::rms_norm_cpu_fwd", mutates_args=())
+def _rms_fwd(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    out, rstd = _load().rms_norm_forward(x, w, eps, torch.get_num_threads())
+    return out, rstd
+
+
+@_rms_fwd.register_fake
+def _(x, w, eps):
+    return x.new_empty(x.shape), x.new_empty(*x.shape[:2], 1)
+
+
+@torch.library.custom_op("archscale::rms_norm_cpu_bwd", mutates_args=())
+def _rms_bwd(gout: Tensor, x: Tensor, w: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    return tuple(_load().rms_norm_backward(gout, x, w, rstd, torch.get_num_threads()))
+
+
+@_rms_bwd.register_fake
+def _(gout, x, w, rstd):
+    return x.new_empty(x.shape), torch.empty_like(w)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, w, eps = inputs
+    ctx.save_for_backward(x, w, output[1])
+
+
+def _rms_backward(ctx, gout, _grstd):
+    x, w, rstd = ctx.saved_tensors
+    gx, gw = _rms_bwd(_unit_channel_stride(gout), x, w, rstd)
+    return gx, gw, None
+
+
+_rms_fwd.register_autograd(_rms_backward, setup_context=_rms_setup)
+
+
+def rms_norm_rows(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """x * rsqrt(mean(x^2) + eps) * w over the last dim, fp32: x (b, L, d) with any batch / time strides; w (d).
+    Returns (b, L, d) fp32 contiguous; differentiable in x and w."""
+    return _rms_fwd(_unit_channel_stride(x.float()), w.float().contiguous(), eps)[0]
+
+
 # Mamba-2's SSD chunked scan (through kernels/ssd.py). Absent optional inputs (starts, D, h0) are empty tensors.
 @torch.library.custom_op("archscale::ssd_cpu_fwd", mutates_args=())
 def _ssd_fwd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, starts: Tensor, D: Tensor, h0: Tensor,

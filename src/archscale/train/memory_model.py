@@ -202,16 +202,22 @@ def zero_states(P: float, N: int, shape: RunShape) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------ activations
 def layer_saved(model_cfg: ModelConfig, env: SaveEnv, n_layers: Optional[int] = None) -> list[float]:
     """Bytes per token each layer keeps for backward: its mixer's and feed-forward's declarations (the registry)
-    and the two block norms' fp32 inputs (normalised input and 1/rms; only the block's input when checkpointed).
-    "per_layer" terms are returned separately by `layer_fixed`."""
+    and the two block norms' (`norm_saved`; only the block's input when checkpointed). "per_layer" terms are
+    returned separately by `layer_fixed`."""
     d, out = model_cfg.n_embd, []
     for i in range(n_layers if n_layers is not None else model_cfg.n_layer):
-        total = 4 * d if env.act_ckpt else 2 * 4 * (2 * d + 1)
+        total = 4 * d if env.act_ckpt else 2 * norm_saved(d, env.device)
         for slot, kind in (("mixer", model_cfg.layer_kinds[i]), ("ffn", model_cfg.ffn_kinds[i])):
             terms = spec_for(kind, slot).saved(model_cfg, kind, env)
             total += sum(v for k, v in terms.items() if k != "per_layer")
         out.append(total)
     return out
+
+
+def norm_saved(d: int, device: str) -> float:
+    """Bytes per token an RMSNorm keeps for backward: its fp32 input and 1/rms, and through autograd (CUDA) also
+    the normalised input; the CPU kernel (`kernels/rms_norm.py`) recomputes that from the two."""
+    return 4 * (d + 1) if device == "cpu" else 4 * (2 * d + 1)
 
 
 def layer_fixed(model_cfg: ModelConfig, env: SaveEnv) -> float:
@@ -236,7 +242,7 @@ def activations(model_cfg: ModelConfig, shape: RunShape, counts: dict[str, float
         per_token = sum(full)
     # outside the blocks: token ids, the final norm, lm_head's input; RoPE's fp32 cos/sin tables
     d = model_cfg.n_embd
-    outside = 8 + 4 * (2 * d + 1) + shape.act_bytes * d + 8 * d + (0 if model_cfg.nope else 4 * model_cfg.head_size)
+    outside = 8 + norm_saved(d, shape.device) + shape.act_bytes * d + 8 * d + (0 if model_cfg.nope else 4 * model_cfg.head_size)
     # autocast's bf16 copies of fp32 weights, kept for backward (not under FSDP2 / DeepSpeed: weights already bf16)
     casts = 2 * counts["cast"] if shape.precision != "fp32" and shape.strategy in ("single", "ddp") else 0.0
     if shape.checkpointed:

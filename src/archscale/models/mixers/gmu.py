@@ -50,12 +50,13 @@ class GMUMixer(GMU):
 def gmu_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
     """Per token: in_proj's input (d) and, over the memory width m, the gate, its silu and out_proj's input in the
     activation dtype (GMU); nGMU's gated norm runs in fp32 instead: the fp32 memory, gate, product, normalised
-    product and out_proj's input (5 m fp32) plus the norm's 1/rms. Nothing outlives a checkpointed block."""
+    product and out_proj's input (5 m fp32) plus the norm's 1/rms; on CPU the RMSNorm kernel keeps no normalised
+    product (4 m fp32). Nothing outlives a checkpointed block."""
     if env.act_ckpt:
         return {}
     d, m, a = config.n_embd, memory_source(config, config.layer_kinds.index(kind))[1], env.act_bytes
     if kind == "ngmu":
-        return {"gmu": a * d + 4 * (5 * m + 1)}
+        return {"gmu": a * d + 4 * ((4 if env.device == "cpu" else 5) * m + 1)}
     return {"gmu": a * (d + 3 * m)}
 
 
