@@ -51,9 +51,12 @@ def test_packed_equals_separate_logits_and_grads(arch):
 
     torch.testing.assert_close(out[:, :len(a)], alone_a, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out[:, len(a):], alone_b, atol=2e-5, rtol=1e-4)
-    for n, p in model.named_parameters():  # relative to the tensor's largest entry (wte grads reach ~1e4)
+    # relative to the tensor's largest entry (wte grads reach ~1e4), with a floor of 2e-6: a gradient that is a
+    # near-cancelling sum of O(1) terms (sambayda's deepest differential-attention lambdas: max ~1.5e-4) keeps
+    # their fp32 rounding, ~1e-6 absolute, and where it lands moves with any change of summation order
+    for n, p in model.named_parameters():
         err = (packed_grads[n] - p.grad).abs().max().item()
-        assert err <= 5e-5 * p.grad.abs().max().item() + 1e-6, (n, err)
+        assert err <= 5e-5 * p.grad.abs().max().item() + 2e-6, (n, err)
 
     # the control: without document masking the second document sees the first, far beyond the masked error
     # (a small random Mamba forgets fast, so its leak is only ~1e-4 here; attention leaks ~1e-2)
