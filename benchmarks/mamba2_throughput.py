@@ -4,7 +4,9 @@ Both are the same pure-Mamba-2 language model, HF's layout: embedding -> n x [RM
 RMSNorm -> lm_head (untied in both), every Mamba-2 with d_inner = 2 d, headdim 64 (d_inner / 64 heads), d_state
 128, ngroups 1, d_conv 4, chunk_size 256, gated RMSNorm (norm after the gate). No MLP in either (HF's Mamba-2
 blocks have none), so the two have exactly the same parameters (checked below). One training step = forward +
-cross-entropy + backward + AdamW step (+ zero_grad).
+cross-entropy + backward + AdamW step (+ zero_grad). Each side's loss is its framework's own: ours the trainer's
+(`select_loss`: on CPU the C++ cross-entropy of kernels/cross_entropy.py, ``ARCHSCALE_LOSS_IMPL=torch`` for
+`F.cross_entropy`), transformers' `F.cross_entropy`, which is what its ``labels=`` loss computes.
 
 The models live in one process and are timed in alternating rounds (order reversed every round, so drift hits
 both alike). Reported: median tok/s over the rounds, the ratio of the medians and the median of the per-round
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from archscale.host_alloc import describe as describe_host_alloc
+from archscale.kernels.cross_entropy import select_loss
 from archscale.kernels import ssd as ssd_module
 from archscale.models.mixers.mamba2 import Mamba2
 from archscale.models.norm import RMSNorm
@@ -66,15 +69,20 @@ def build_models(args) -> dict[str, tuple[nn.Module, callable]]:
     import transformers
 
     ours = Mamba2LM(args.vocab, args.width, args.layers, args.chunk_size, args.scan_impl)
-    models = {"ours": (ours, ours)}
+    models = {"ours": (ours, ours, select_loss("auto", args.vocab))}
     if not args.skip_hf:
         cfg = transformers.Mamba2Config(vocab_size=args.vocab, hidden_size=args.width, num_hidden_layers=args.layers,
                                         state_size=128, expand=2, head_dim=64, num_heads=2 * args.width // 64,
                                         n_groups=1, conv_kernel=4, chunk_size=args.chunk_size, use_conv_bias=True,
                                         use_bias=False, layer_norm_epsilon=1e-5, tie_word_embeddings=False)
         hf = transformers.Mamba2ForCausalLM(cfg)
-        models["hf"] = (hf, lambda idx: hf(input_ids=idx, use_cache=False).logits)
+        models["hf"] = (hf, lambda idx: hf(input_ids=idx, use_cache=False).logits, hf_loss)
     return models
+
+
+def hf_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss on already shifted targets (`ForCausalLMLoss`: fp32 logits, F.cross_entropy)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def n_params(model: nn.Module) -> int:
@@ -82,8 +90,8 @@ def n_params(model: nn.Module) -> int:
 
 
 class Runner:
-    def __init__(self, name, model, forward, x, y, vocab):
-        self.name, self.model, self.forward = name, model.train(), forward
+    def __init__(self, name, model, forward, loss, x, y, vocab):
+        self.name, self.model, self.forward, self.loss = name, model.train(), forward, loss
         params = list({id(p): p for p in model.parameters()}.values())
         self.opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, fused=True)
         self.x, self.y, self.vocab = x, y, vocab
@@ -92,7 +100,7 @@ class Runner:
         ctx = torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
         with ctx:
             logits = self.forward(self.x)
-        loss = F.cross_entropy(logits[..., : self.vocab].flatten(0, 1).float(), self.y.flatten())
+        loss = self.loss(logits[..., : self.vocab], self.y)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -164,12 +172,12 @@ def main(argv=None) -> None:
     dtype = DTYPES[args.dtype]
     torch.manual_seed(args.seed)
     models = build_models(args)
-    counts = {name: n_params(m) for name, (m, _) in models.items()}
+    counts = {name: n_params(m) for name, (m, *_) in models.items()}
     if len(set(counts.values())) != 1:
         raise SystemExit(f"the models differ in size: {counts}")
     data = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-    runners = [Runner(name, m, fwd, x, y, args.vocab) for name, (m, fwd) in models.items()]
+    runners = [Runner(name, m, fwd, loss, x, y, args.vocab) for name, (m, fwd, loss) in models.items()]
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.machine()}; L={args.layers} d={args.width} V={args.vocab} B={args.batch} T={args.seq} "
           f"{args.dtype}; chunk_size {args.chunk_size}, our torch chunk {ssd_module.TORCH_CHUNK}, scan "

@@ -29,7 +29,8 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 SOURCE = Path(__file__).with_name("csrc") / "selective_scan_cpu.cpp"
-SOURCES = [SOURCE, SOURCE.with_name("ssd_cpu.cpp")]  # one module; the headers beside them are read by both
+# one module; the headers beside them declare the other files' functions for the bindings
+SOURCES = [SOURCE, SOURCE.with_name("ssd_cpu.cpp"), SOURCE.with_name("cross_entropy_cpu.cpp")]
 BLOCK = 64  # steps whose states the backward recomputes at a time (64 x d_state floats per channel)
 MAX_STATE = 256  # the kernel's d_state bound (its stack buffers; csrc MAX_STATE); larger runs the chunked path
 # -fopenmp: the kernel's parallel loops run in torch's own OpenMP pool (at::parallel_for; nothing is linked, the
@@ -331,6 +332,23 @@ def rms_norm_rows(x: Tensor, w: Tensor, eps: float) -> Tensor:
     """x * rsqrt(mean(x^2) + eps) * w over the last dim, fp32: x (b, L, d) with any batch / time strides; w (d).
     Returns (b, L, d) fp32 contiguous; differentiable in x and w."""
     return _rms_fwd(_unit_channel_stride(x.float()), w.float().contiguous(), eps)[0]
+
+
+# The language-model loss (through kernels/cross_entropy.py): row losses and the gradient, in one pass.
+@torch.library.custom_op("archscale::cross_entropy_cpu_fwd", mutates_args=())
+def cross_entropy_rows(logits: Tensor, targets: Tensor, ignore_index: int, label_smoothing: float,
+                       grad_scale: float) -> tuple[Tensor, Tensor]:
+    """logits (N, V) fp32, unit inner stride; targets (N,) int64. Returns (row losses (N,), d loss / d logits
+    (N, V) for the loss sum(row losses) * grad_scale). Not differentiable itself: kernels/cross_entropy.py hands
+    the gradient to autograd."""
+    losses, grad = _load().cross_entropy_forward(logits, targets.contiguous(), ignore_index, label_smoothing,
+                                                 grad_scale, torch.get_num_threads())
+    return losses, grad
+
+
+@cross_entropy_rows.register_fake
+def _(logits, targets, ignore_index, label_smoothing, grad_scale):
+    return logits.new_empty(logits.shape[0]), logits.new_empty(logits.shape)
 
 
 # Mamba-2's SSD chunked scan (through kernels/ssd.py). Absent optional inputs (starts, D, h0) are empty tensors.

@@ -23,6 +23,7 @@
 #include <torch/extension.h>
 
 #include "cpu_common.h"
+#include "cross_entropy_cpu.h"
 #include "ssd_cpu.h"
 
 #include <algorithm>
@@ -624,6 +625,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_norm_backward", &gated_norm_backward, "gated RMSNorm backward (CPU, fp32)");
   m.def("rms_norm_forward", &rms_norm_forward, "RMSNorm forward (CPU, fp32)");
   m.def("rms_norm_backward", &rms_norm_backward, "RMSNorm backward (CPU, fp32)");
+  m.def("cross_entropy_forward", &cross_entropy_forward, "cross-entropy and its gradient (CPU, fp32)");
   m.def("ssd_forward", &ssd_forward, "Mamba-2 SSD chunked scan forward (CPU, fp32)");
   m.def("ssd_backward", &ssd_backward, "Mamba-2 SSD chunked scan backward (CPU, fp32)");
 }

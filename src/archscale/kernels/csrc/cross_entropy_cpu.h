@@ -1,0 +1,9 @@
+// The language-model loss on CPU (cross_entropy_cpu.cpp): declared here for the module's bindings.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+std::vector<torch::Tensor> cross_entropy_forward(torch::Tensor logits, torch::Tensor targets, int64_t ignore_index,
+                                                 double label_smoothing, double grad_scale, int64_t threads);
