@@ -1,6 +1,7 @@
 """Training throughput of our architectures against each other at equal size: `<arch>_d<depth>` models with
 ArchScale's aspect ratio (so about equal non-embedding parameters), vocab 8192, one training step = forward +
-cross-entropy + backward + fused AdamW, fp32.
+cross-entropy + backward + fused AdamW, fp32; the loss is the trainer's (`select_loss`: on CPU the C++ cross-entropy
+of kernels/cross_entropy.py, ``--ab ARCHSCALE_LOSS_IMPL=torch`` for F.cross_entropy).
 
 All models live in one process and are timed in alternating rounds (order reversed every round). Reported per
 model: the median tok/s over the rounds in wall time and its spread (slowest-fastest round); the ratio to the
@@ -32,10 +33,10 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from archscale.config import ModelConfig
 from archscale.host_alloc import describe as describe_host_alloc
+from archscale.kernels.cross_entropy import select_loss
 from archscale.models import GPT, accounting
 from archscale.train.metrics import measure_matmul_flops
 from step_breakdown import describe, describe_bound, interleaved
@@ -56,7 +57,7 @@ def step(model, opt, x, env: dict | None = None) -> None:
     os.environ.update(env or {})
     try:
         logits = model(x[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()).backward()
+        select_loss("auto", logits.shape[-1])(logits, x[:, 1:]).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     finally:
