@@ -94,6 +94,7 @@ def test_the_real_kernels_on_cpu(monkeypatch):
                                                 r"available here: chunked, ref"):
         selective_scan.SCAN.resolve("cpu", x=CPU, d_state=4)
     assert ssd.SSD.resolve("auto", x=CPU) == "chunked"                     # Mamba-2's SSD: the same module
+    assert gated_delta.GATED_DELTA.resolve("auto", x=CPU) == "chunked"      # and Gated DeltaNet's chunk loop
     with pytest.raises(KernelChoiceError, match=r"impl='cpu' needs the C\+\+ CPU module, which did not build "
                                                 r"\(no compiler\); available here: chunked, ref"):
         ssd.SSD.resolve("cpu", x=CPU)
@@ -101,7 +102,7 @@ def test_the_real_kernels_on_cpu(monkeypatch):
     assert selective_scan.SCAN.resolve("auto", x=CPU, d_state=4) == "cpu"
     assert selective_scan.SCAN.resolve("auto", x=CPU, d_state=selective_scan.cpu_kernel.MAX_STATE + 1) == "chunked"
     assert ssd.SSD.resolve("auto", x=CPU) == "cpu" == ssd.SSD.resolve("cpu", x=CPU)
-    assert gated_delta.GATED_DELTA.resolve("auto", x=CPU) == "chunked"
+    assert gated_delta.GATED_DELTA.resolve("auto", x=CPU) == "cpu"
     assert cross_entropy.LINEAR_CROSS_ENTROPY.resolve(x=CPU) == "chunked"
     monkeypatch.delenv("ARCHSCALE_CONV_IMPL", raising=False)
     monkeypatch.setattr(short_conv.scan_cpu, "available", lambda: False)

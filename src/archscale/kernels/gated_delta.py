@@ -27,10 +27,16 @@ Implementations (``impl=``):
   it is in cache. Every exp is of a non-positive number, so strong decay underflows harmlessly (to ~0). Forward
   and backward are written by hand, in one autograd Function (`_factors` / `_factors_backward` for the small
   (C, C) factors, `_scan` / `_scan_backward` for the loops), and checked against autograd through `"ref"`.
+- ``"cpu"``: ``"chunked"`` with its two loops over chunks (`_scan`, `_scan_backward`) as C++ on CPU
+  (`csrc/gated_delta_cpu.cpp` in `kernels/scan_cpu.py`'s module): one task per (batch row, head) walks the chunks
+  with its (K, V) state in cache, the products single-threaded gemms on the chunk's blocks; the factors and the
+  autograd Function stay the torch path's. Checked against ``"ref"`` by the same tests as ``"chunked"``.
 - ``"fla"``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (flash-linear-attention, CUDA tensors). With
   `reset` the batch is flattened into one sequence with ``cu_seqlens`` (fla's varlen form); a call with both
   `reset` and `initial_state` falls back to ``"chunked"``.
-- ``"auto"`` (default): ``"fla"`` when fla imports and q is on CUDA, else ``"chunked"``.
+- ``"auto"`` (default): ``"fla"`` when fla imports and q is on CUDA, else ``"cpu"`` where the C++ module built,
+  else ``"chunked"``; ``ARCHSCALE_SCAN_IMPL`` (the Mamba scans' variable; its ``cuda`` means ``fla`` here)
+  replaces auto.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from archscale.kernels import scan_cpu
 from archscale.kernels.dispatch import Dispatch, Impl, cuda_impl
+from archscale.kernels.selective_scan import ENV_VAR
 
 CHUNK = 64  # chunked path: steps per chunk (fla's and transformers' choice; see benchmarks/gdn_throughput.py)
 
@@ -73,9 +81,10 @@ def _has_state_and_resets(initial_state: Tensor | None = None, reset: Tensor | N
 GATED_DELTA = Dispatch("gated_delta_rule", (
     cuda_impl("fla", lambda: _fla("chunk_gated_delta_rule"), "flash-linear-attention",
               steps_aside=_has_state_and_resets, instead="chunked"),
+    Impl("cpu", scan_cpu.unavailable_for),
     Impl("chunked"),
     Impl("ref"),
-))
+), env_var=ENV_VAR, aliases={"cuda": "fla"})  # ARCHSCALE_SCAN_IMPL, as the Mamba scans; their "cuda" is fla here
 IMPLS = GATED_DELTA.choices
 
 
@@ -99,7 +108,8 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
             qkv = [x.transpose(1, 2) for x in (qf * scale, kf, v.float())]   # (b, h, t, ...)
             o, last = _recurrence_ref(*qkv, *gb, h0, reset)
             return o.transpose(1, 2).to(v.dtype), (last if output_final_state else None)
-        o, last = _chunked(q, k, v, g, beta, h0, reset, chunk_size, scale, use_qk_l2norm, output_final_state)
+        o, last = _chunked(q, k, v, g, beta, h0, reset, chunk_size, scale, use_qk_l2norm, output_final_state,
+                           fused=impl == "cpu")
     return o.to(v.dtype), last
 
 
@@ -196,10 +206,11 @@ class _KeysOverQueries(torch.autograd.Function):
 
 def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None,
              reset: Tensor | None, chunk: int, scale: float, normalise: bool,
-             need_last: bool) -> tuple[Tensor, Tensor | None]:
+             need_last: bool, fused: bool = False) -> tuple[Tensor, Tensor | None]:
     """q, k (b, t, h, K), v (b, t, h, V), g, beta (b, t, h), in the caller's layout and dtype. Returns o (b, t, h, V)
     fp32 and the final state (None unless `need_last`). Pads t to a multiple of the chunk with g = 0, beta = 0,
-    k = q = 0 steps (decay 1, no write), so the state carries through the padding unchanged."""
+    k = q = 0 steps (decay 1, no write), so the state carries through the padding unchanged. `fused`: the loops
+    over chunks on the C++ module."""
     b, t, h, K = k.shape
     V = v.shape[-1]
     if chunk < 1 or chunk & (chunk - 1):
@@ -216,7 +227,7 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tenso
     kq = _KeysOverQueries.apply(k, q, C, normalise)                          # (n, b, h, 2C, K)
     same, fresh = _document_masks(reset, b, kq.shape[0], C)                  # (n, b, 1, C, C), (n, b, 1, C)
     o, last = _ChunkedGatedDelta.apply(kq, v.float(), _chunk_major(g.float(), C), _chunk_major(beta.float(), C),
-                                       h0, same, fresh, scale, need_last)
+                                       h0, same, fresh, scale, need_last, fused)
     return o[:, :t], (last if need_last else None)
 
 
@@ -231,11 +242,11 @@ class _ChunkedGatedDelta(torch.autograd.Function):
     cache (about twice as fast on CPU as products batched over all chunks)."""
 
     @staticmethod
-    def forward(ctx, kq, v, g, beta, h0, same, fresh, scale, need_last):
+    def forward(ctx, kq, v, g, beta, h0, same, fresh, scale, need_last, fused):
         f = _factors(kq, g, beta, same, fresh, scale)
-        o, states, kqS, u = _scan(kq, v, f, h0, scale, need_last)
+        o, states, kqS, u = (_scan_cpu if fused else _scan)(kq, v, f, h0, scale, need_last)
         ctx.save_for_backward(kq, v, beta, states, kqS, u, *f)
-        ctx.scale, ctx.zero_start, ctx.need_last = scale, h0 is None, need_last
+        ctx.scale, ctx.zero_start, ctx.need_last, ctx.fused = scale, h0 is None, need_last, fused
         return o, (states[-1].clone() if need_last else states.new_zeros(()))
 
     @staticmethod
@@ -243,10 +254,11 @@ class _ChunkedGatedDelta(torch.autograd.Function):
     def backward(ctx, do, dlast):
         kq, v, beta, states, kqS, u, *f = ctx.saved_tensors
         want_dh0 = not ctx.zero_start and ctx.needs_input_grad[4]
-        dkq, dv, dlog, dTb, dA, dh0 = _scan_backward(ctx, kq, v, f, states, kqS, u, do,
-                                                     dlast if ctx.need_last else None, want_dh0)
+        scan_backward = _scan_backward_cpu if ctx.fused else _scan_backward
+        dkq, dv, dlog, dTb, dA, dh0 = scan_backward(ctx, kq, v, f, states, kqS, u, do,
+                                                    dlast if ctx.need_last else None, want_dh0)
         dg, dbeta = _factors_backward(ctx.scale, kq, beta, f, dlog, dTb, dA, dkq)
-        return dkq, dv, dg, dbeta, dh0, None, None, None, None
+        return dkq, dv, dg, dbeta, dh0, None, None, None, None, None
 
 
 def _factors(kq: Tensor, g: Tensor, beta: Tensor, same: Tensor | None, fresh: Tensor | None, scale: float):
@@ -396,6 +408,28 @@ def _scan_backward(ctx, kq, v, f, states, kqS, u, do, dlast, want_dh0):
             else:
                 _add_product(dS.mul_(a_c), kq_c.transpose(-1, -2), dkqS)
     return dkq, dv, (gG, gGe, ga), dTb, dA, (dS.view(b, h, K, V) if want_dh0 else None)
+
+
+def _loop_inputs(v: Tensor, f) -> list[Tensor]:
+    """v and the factors the loops read, as the C++ loops take them (unit inner stride; factors contiguous)."""
+    *_, eG, eGe, a, Tb, A = f
+    return [v if v.stride(-1) == 1 else v.contiguous(), *(x.contiguous() for x in (eG, eGe, a, Tb, A))]
+
+
+def _scan_cpu(kq: Tensor, v: Tensor, f, h0: Tensor | None, scale: float, need_last: bool):
+    """`_scan` on the C++ module (same outputs)."""
+    empty = kq.new_zeros(0)
+    return scan_cpu.gated_delta_scan(kq, *_loop_inputs(v, f), empty if h0 is None else h0.contiguous(), scale,
+                                     need_last)
+
+
+def _scan_backward_cpu(ctx, kq, v, f, states, kqS, u, do, dlast, want_dh0):
+    """`_scan_backward` on the C++ module (same outputs)."""
+    do = torch.zeros_like(v) if do is None else (do if do.stride(-1) == 1 else do.contiguous())
+    dlast = kq.new_zeros(0) if dlast is None else dlast.contiguous()
+    dkq, dv, gG, gGe, ga, dTb, dA, dh0 = scan_cpu.gated_delta_scan_backward(
+        kq, *_loop_inputs(v, f), states, kqS, u, do, dlast, ctx.scale, ctx.zero_start, want_dh0)
+    return dkq, dv, (gG, gGe, ga), dTb, dA, (dh0 if want_dh0 else None)
 
 
 def _unit_lower_inverse(L: Tensor) -> Tensor:

@@ -18,6 +18,7 @@ test file.
 from __future__ import annotations
 
 import hashlib
+import math
 import platform
 import sys
 import threading
@@ -30,7 +31,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 SOURCE = Path(__file__).with_name("csrc") / "selective_scan_cpu.cpp"
 # one module; the headers beside them declare the other files' functions for the bindings
-SOURCES = [SOURCE, SOURCE.with_name("ssd_cpu.cpp"), SOURCE.with_name("cross_entropy_cpu.cpp")]
+SOURCES = [SOURCE] + [SOURCE.with_name(f"{name}_cpu.cpp") for name in ("ssd", "cross_entropy", "gated_delta")]
 BLOCK = 64  # steps whose states the backward recomputes at a time (64 x d_state floats per channel)
 MAX_STATE = 256  # the kernel's d_state bound (its stack buffers; csrc MAX_STATE); larger runs the chunked path
 # -fopenmp: the kernel's parallel loops run in torch's own OpenMP pool (at::parallel_for; nothing is linked, the
@@ -441,3 +442,76 @@ def _(x_shape, dt_shape, A_shape, B_shape, C_shape, starts_shape, D_shape, h0_sh
 def _(gy_shape, glast_shape, x_shape, dt_shape, A_shape, B_shape, *args, **kwargs):
     chunk = args[-1]  # (C, starts, D, states, CB, has_h0, chunk): every forward product has two in the backward
     return 2 * _ssd_forward_flops(x_shape, B_shape, chunk)
+
+
+# The gated delta rule's chunk loop (through kernels/gated_delta.py's chunked form, which computes the per-chunk
+# factors in torch and keeps the autograd Function). Absent h0 / dlast / dh0 are empty tensors.
+@torch.library.custom_op("archscale::gated_delta_cpu_fwd", mutates_args=())
+def gated_delta_scan(kq: Tensor, v: Tensor, eG: Tensor, eGe: Tensor, a: Tensor, Tb: Tensor, A: Tensor, h0: Tensor,
+                     scale: float, need_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`gated_delta._scan` on the C++ module: (o, states, kqS, u) as there."""
+    o, states, kqS, u = _load().gated_delta_scan_forward(kq, v, eG, eGe, a, Tb, A, h0, scale, need_last,
+                                                         torch.get_num_threads())
+    return o, states, kqS, u
+
+
+@gated_delta_scan.register_fake
+def _(kq, v, eG, eGe, a, Tb, A, h0, scale, need_last):
+    n, b, h, C2, K = kq.shape
+    V = v.shape[-1]
+    return (v.new_empty(b, n * C2 // 2, h, V), kq.new_empty(n + 1, b, h, K, V), kq.new_empty(n, b, h, C2, V),
+            kq.new_empty(n, b, h, C2 // 2, V))
+
+
+@torch.library.custom_op("archscale::gated_delta_cpu_bwd", mutates_args=())
+def gated_delta_scan_backward(kq: Tensor, v: Tensor, eG: Tensor, eGe: Tensor, a: Tensor, Tb: Tensor, A: Tensor,
+                              states: Tensor, kqS: Tensor, u: Tensor, do: Tensor, dlast: Tensor, scale: float,
+                              zero_start: bool, want_dh0: bool) -> list[Tensor]:
+    """`gated_delta._scan_backward` on the C++ module: [dkq, dv, gG, gGe, ga, dTb, dA, dh0 (empty unless
+    want_dh0)]."""
+    return list(_load().gated_delta_scan_backward(kq, v, eG, eGe, a, Tb, A, states, kqS, u, do, dlast, scale,
+                                                  zero_start, want_dh0, torch.get_num_threads()))
+
+
+@gated_delta_scan_backward.register_fake
+def _(kq, v, eG, eGe, a, Tb, A, states, kqS, u, do, dlast, scale, zero_start, want_dh0):
+    n, b, h, C2, K = kq.shape
+    dh0 = kq.new_empty(b, h, K, v.shape[-1]) if want_dh0 else kq.new_empty(0)
+    return [torch.empty_like(kq), v.new_empty(v.shape), torch.empty_like(eG), torch.empty_like(eGe),
+            torch.empty_like(a), torch.empty_like(Tb), torch.empty_like(A), dh0]
+
+
+def _gated_delta_flops(kq_shape, v_shape, has_h0: bool, need_last: bool) -> int:
+    """The torch loop's products (`gated_delta._scan`): per chunk and (row, head) [k; q] S (skipped for the
+    first chunk without h0), Tb z and A u, and the state write k^T (eGe u) (skipped for the last chunk unless
+    the final state is asked for)."""
+    n, b, h, C2, K = kq_shape
+    C, V = C2 // 2, v_shape[-1]
+    reads = n - (0 if has_h0 else 1)
+    writes = n - (0 if need_last else 1)
+    return b * h * (reads * 2 * C2 * K * V + n * 2 * (2 * C * C * V) + writes * 2 * K * C * V)
+
+
+def _gated_delta_backward_flops(kq_shape, v_shape, has_dlast: bool, zero_start: bool, want_dh0: bool) -> int:
+    """`gated_delta._scan_backward`'s products: per chunk A^T do, do u^T, du z^T and Tb^T du; d[kS; qS] S^T
+    (not for a zero entering state); where a state gradient enters the chunk k dS and (eGe u) dS^T; and the
+    state gradient's kq^T d[kS; qS] (not for the first chunk unless dh0 is wanted)."""
+    n, b, h, C2, K = kq_shape
+    C, V = C2 // 2, v_shape[-1]
+    with_dS = n - (0 if has_dlast else 1)
+    reads = n - (1 if zero_start else 0)
+    writes = n - (0 if want_dh0 else 1)
+    return b * h * (n * 4 * (2 * C * C * V) + reads * 2 * C2 * V * K + with_dS * 2 * (2 * C * K * V)
+                    + writes * 2 * K * C2 * V)
+
+
+@register_flop_formula(torch.ops.archscale.gated_delta_cpu_fwd)
+def _(kq_shape, v_shape, eG_shape, eGe_shape, a_shape, Tb_shape, A_shape, h0_shape, scale, need_last, *args,
+      **kwargs):
+    return _gated_delta_flops(kq_shape, v_shape, math.prod(h0_shape) > 0, need_last)
+
+
+@register_flop_formula(torch.ops.archscale.gated_delta_cpu_bwd)
+def _(kq_shape, v_shape, eG_shape, eGe_shape, a_shape, Tb_shape, A_shape, states_shape, kqS_shape, u_shape,
+      do_shape, dlast_shape, scale, zero_start, want_dh0, *args, **kwargs):
+    return _gated_delta_backward_flops(kq_shape, v_shape, math.prod(dlast_shape) > 0, zero_start, want_dh0)

@@ -31,41 +31,11 @@
 
 #include "cpu_common.h"
 
-// The BLAS torch links (MKL in the x86 wheels) exports the Fortran sgemm_; torch's own C++ gemm wrapper is not
-// exported. Weak: where no sgemm_ is found the products run through at::mm instead (same results, slower).
-extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                       const float* beta, float* c, const int* ldc) __attribute__((weak));
-
 namespace {
 
 using archscale_cpu::fast_exp;
+using archscale_cpu::mm;
 using archscale_cpu::parallel_channels;
-
-// A row-major M x K matrix (K x M stored when t) at p with leading dimension ld, as a tensor view (no copy).
-torch::Tensor matrix(const float* p, bool t, int64_t M, int64_t K, int64_t ld) {
-  auto v = torch::from_blob(const_cast<float*>(p), {t ? K : M, t ? M : K}, {ld, 1}, torch::kFloat32);
-  return t ? v.t() : v;
-}
-
-// Row-major out (M x N, ldo) = op(a) op(b) + beta out, op(a) M x K, op(b) K x N; a stored M x K (K x M when
-// ta), b stored K x N (N x K when tb). BLAS is column-major: there this is out^T = op(b)^T op(a)^T.
-inline void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const float* b,
-               int64_t ldb, float beta, float* out, int64_t ldo) {
-  if (M == 0 || N == 0) return;
-  if (sgemm_ != nullptr) {
-    const char opa = tb ? 'T' : 'N', opb = ta ? 'T' : 'N';
-    const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
-    const int la = static_cast<int>(ldb), lb = static_cast<int>(lda), lc = static_cast<int>(ldo);
-    const float one = 1.0f;
-    sgemm_(&opa, &opb, &m, &n, &k, &one, b, &la, a, &lb, &beta, out, &lc);
-    return;
-  }
-  auto o = torch::from_blob(out, {M, N}, {ldo, 1}, torch::kFloat32);
-  auto prod = at::mm(matrix(a, ta, M, K, lda), matrix(b, tb, K, N, ldb));
-  if (beta == 0.0f) o.copy_(prod);
-  else o.mul_(beta).add_(prod);
-}
 
 struct Dims {
   int64_t b, L, h, p, g, n, Q, nc;

@@ -1,0 +1,254 @@
+// The gated delta rule's chunk loop (Gated DeltaNet), fused on CPU: forward and backward of the products with
+// the state, the part of kernels/gated_delta.py's chunked form that is sequential over chunks (`_scan`,
+// `_scan_backward` there, whose docstrings give the maths; the per-chunk factors eG, eGe, a, Tb and A come in
+// from torch, batched over all chunks).
+//
+// The torch loop runs each step as one batched op over every (batch row, head): a (K, V) state per pair, 512 KB
+// at K = 256, V = 512, so the states of a batch (4 MB at B4 x 2 heads) leave cache between the ops of a chunk,
+// and the ~30 ops per chunk each pay Python's dispatch. Here one task per (batch row, head) walks its chunks with
+// its state in L2, and the products are single-threaded gemms (the BLAS torch links) on the chunk's blocks.
+//
+// Layouts, fp32: kq (n, b, h, 2C, K) contiguous (a chunk's keys over its queries); v, o, do, dv (b, t, h, V) with
+// unit inner stride (v and do any other strides, o and dv contiguous); eG, eGe (n, b, h, C), a (n, b, h), Tb, A
+// (n, b, h, C, C) contiguous; states (n + 1, b, h, K, V), kqS (n, b, h, 2C, V), u (n, b, h, C, V).
+#include "gated_delta_cpu.h"
+
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace {
+
+using archscale_cpu::mm;
+using archscale_cpu::parallel_channels;
+
+struct Dims {
+  int64_t n, b, h, C, K, V;
+  int64_t bh() const { return b * h; }
+  int64_t C2() const { return 2 * C; }
+};
+
+Dims dims_of(const torch::Tensor& kq, const torch::Tensor& v) {
+  TORCH_CHECK(kq.dim() == 5 && kq.is_contiguous() && kq.scalar_type() == torch::kFloat,
+              "gated_delta_cpu: kq must be (n, b, h, 2C, K) contiguous float32");
+  TORCH_CHECK(v.dim() == 4 && v.stride(3) == 1 && v.scalar_type() == torch::kFloat,
+              "gated_delta_cpu: v must be (b, t, h, V) float32 with unit inner stride");
+  const int64_t C = kq.size(3) / 2;
+  TORCH_CHECK(v.size(1) == kq.size(0) * C, "gated_delta_cpu: t must be n whole chunks");
+  return {kq.size(0), kq.size(1), kq.size(2), C, kq.size(4), v.size(3)};
+}
+
+// Rows of a (b, t, h, V) tensor: chunk c of task (bi, hi) starts at row c C, rows `ld` floats apart.
+struct Rows {
+  float* p;
+  int64_t sb, st, sh;
+  explicit Rows(const torch::Tensor& x) : p(x.data_ptr<float>()), sb(x.stride(0)), st(x.stride(1)), sh(x.stride(2)) {}
+  float* chunk(int64_t task, int64_t h, int64_t c, int64_t C) const {
+    return p + (task / h) * sb + (task % h) * sh + c * C * st;
+  }
+};
+
+// Per-task views of the chunk-major tensors: block c of task j of a (n, b h, rows, cols) tensor.
+inline const float* block(const torch::Tensor& x, const Dims& s, int64_t c, int64_t j, int64_t size) {
+  return x.data_ptr<float>() + (c * s.bh() + j) * size;
+}
+inline float* block_mut(torch::Tensor& x, const Dims& s, int64_t c, int64_t j, int64_t size) {
+  return x.data_ptr<float>() + (c * s.bh() + j) * size;
+}
+
+// out[i, :] = x[i, :] + f * w[i] * y[i, :] over C rows of V (x, out with row strides ldx, ldo; y contiguous).
+inline void rows_axpy(int64_t C, int64_t V, const float* x, int64_t ldx, float f, const float* w, const float* y,
+                      float* out, int64_t ldo) {
+  for (int64_t i = 0; i < C; ++i) {
+    const float wi = f * w[i];
+    const float* __restrict__ xr = x + i * ldx;
+    const float* __restrict__ yr = y + i * V;
+    float* __restrict__ o = out + i * ldo;
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) o[j] = xr[j] + wi * yr[j];
+  }
+}
+
+// One task's forward over all chunks (see the file comment for the layouts).
+void forward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows& v, const Rows& o,
+                  const torch::Tensor& eG, const torch::Tensor& eGe, const torch::Tensor& a,
+                  const torch::Tensor& Tb, const torch::Tensor& A, torch::Tensor& states, torch::Tensor& kqS,
+                  torch::Tensor& u, bool has_h0, bool need_last, float scale, std::vector<float>& z) {
+  const int64_t C = s.C, K = s.K, V = s.V, C2 = s.C2(), KV = K * V;
+  for (int64_t c = 0; c < s.n; ++c) {
+    const float* kq_c = block(kq, s, c, j, C2 * K);
+    const float* S = block(states, s, c, j, KV);
+    float* kqS_c = block_mut(kqS, s, c, j, C2 * V);
+    float* u_c = block_mut(u, s, c, j, C * V);
+    const float* eG_c = block(eG, s, c, j, C);
+    const float* eGe_c = block(eGe, s, c, j, C);
+    if (c || has_h0) mm(false, false, C2, V, K, kq_c, K, S, V, 0.0f, kqS_c, V);   // [k S; q S]
+    else std::fill(kqS_c, kqS_c + C2 * V, 0.0f);
+    rows_axpy(C, V, v.chunk(j, s.h, c, C), v.st, -1.0f, eG_c, kqS_c, z.data(), V);  // z = v - eG k S
+    mm(false, false, C, V, C, block(Tb, s, c, j, C * C), C, z.data(), V, 0.0f, u_c, V);  // u = Tb z
+    float* o_c = o.chunk(j, s.h, c, C);
+    const float* qS = kqS_c + C * V;
+    for (int64_t i = 0; i < C; ++i) {                                   // o = scale eG q S + A u
+      const float w = scale * eG_c[i];
+#pragma omp simd
+      for (int64_t x = 0; x < V; ++x) o_c[i * o.st + x] = w * qS[i * V + x];
+    }
+    mm(false, false, C, V, C, block(A, s, c, j, C * C), C, u_c, V, 1.0f, o_c, o.st);
+    if (c < s.n - 1 || need_last) {                                     // S' = a S + k^T (eGe u)
+      float* S_next = block_mut(states, s, c + 1, j, KV);
+      const float a_c = *block(a, s, c, j, 1);
+#pragma omp simd
+      for (int64_t x = 0; x < KV; ++x) S_next[x] = a_c * S[x];
+      for (int64_t i = 0; i < C; ++i)
+#pragma omp simd
+        for (int64_t x = 0; x < V; ++x) z[i * V + x] = eGe_c[i] * u_c[i * V + x];
+      mm(true, false, K, V, C, kq_c, K, z.data(), V, 1.0f, S_next, V);
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> gated_delta_scan_forward(torch::Tensor kq, torch::Tensor v, torch::Tensor eG,
+                                                    torch::Tensor eGe, torch::Tensor a, torch::Tensor Tb,
+                                                    torch::Tensor A, torch::Tensor h0, double scale, bool need_last,
+                                                    int64_t threads) {
+  const Dims s = dims_of(kq, v);
+  auto opts = kq.options();
+  auto o = torch::empty({s.b, s.n * s.C, s.h, s.V}, opts);
+  auto states = torch::empty({s.n + 1, s.b, s.h, s.K, s.V}, opts);
+  auto kqS = torch::empty({s.n, s.b, s.h, s.C2(), s.V}, opts);
+  auto u = torch::empty({s.n, s.b, s.h, s.C, s.V}, opts);
+  const bool has_h0 = h0.numel() > 0;
+  if (has_h0) states[0].copy_(h0);
+  else states[0].zero_();
+  const Rows vr(v), orows(o);
+  parallel_channels(s.bh(), static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
+    std::vector<float> z(s.C * s.V);
+    for (int64_t j = begin; j < end; ++j)
+      forward_task(s, j, kq, vr, orows, eG, eGe, a, Tb, A, states, kqS, u, has_h0, need_last,
+                   static_cast<float>(scale), z);
+  });
+  return {o, states, kqS, u};
+}
+
+namespace {
+
+struct Grads {
+  torch::Tensor dkq, dv, gG, gGe, ga, dTb, dA, dh0;
+};
+
+struct Scratch {
+  std::vector<float> du, kdS, ue, z, dz, dkqS, dS;
+  Scratch(const Dims& s)
+      : du(s.C * s.V), kdS(s.C * s.V), ue(s.C * s.V), z(s.C * s.V), dz(s.C * s.V), dkqS(s.C2() * s.V),
+        dS(s.K * s.V) {}
+};
+
+// One task's backward over the chunks in reverse (kernels/gated_delta.py's `_scan_backward`).
+void backward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows& v, const Rows& dout,
+                   const torch::Tensor& eG, const torch::Tensor& eGe, const torch::Tensor& a,
+                   const torch::Tensor& Tb, const torch::Tensor& A, const torch::Tensor& states,
+                   const torch::Tensor& kqS, const torch::Tensor& u, const float* dlast, Grads& g, const Rows& dv,
+                   bool zero_start, bool want_dh0, float scale, Scratch& w) {
+  const int64_t C = s.C, K = s.K, V = s.V, C2 = s.C2(), KV = K * V;
+  bool have_dS = dlast != nullptr;
+  if (have_dS) std::copy(dlast + j * KV, dlast + (j + 1) * KV, w.dS.data());
+  for (int64_t c = s.n - 1; c >= 0; --c) {
+    const float* kq_c = block(kq, s, c, j, C2 * K);
+    const float* S = block(states, s, c, j, KV);
+    const float* kqS_c = block(kqS, s, c, j, C2 * V);
+    const float* u_c = block(u, s, c, j, C * V);
+    const float *eG_c = block(eG, s, c, j, C), *eGe_c = block(eGe, s, c, j, C);
+    const float* Tb_c = block(Tb, s, c, j, C * C);
+    const float* do_c = dout.chunk(j, s.h, c, C);
+    mm(true, false, C, V, C, block(A, s, c, j, C * C), C, do_c, dout.st, 0.0f, w.du.data(), V);  // A^T do
+    if (have_dS) {                                                       // the chunk's write into S_{c+1}
+      mm(false, false, C, V, K, kq_c, K, w.dS.data(), V, 0.0f, w.kdS.data(), V);              // k dS
+      float* gGe_c = block_mut(g.gGe, s, c, j, C);
+      for (int64_t i = 0; i < C; ++i) {
+        float acc = 0.0f;
+        const float e = eGe_c[i];
+#pragma omp simd reduction(+ : acc)
+        for (int64_t x = 0; x < V; ++x) {
+          const float kd = w.kdS[i * V + x];
+          w.du[i * V + x] += e * kd;
+          const float ue = e * u_c[i * V + x];
+          w.ue[i * V + x] = ue;
+          acc += ue * kd;
+        }
+        gGe_c[i] = acc;
+      }
+      float dot = 0.0f;
+      const float* dS = w.dS.data();
+#pragma omp simd reduction(+ : dot)
+      for (int64_t x = 0; x < KV; ++x) dot += dS[x] * S[x];
+      *block_mut(g.ga, s, c, j, 1) = dot * *block(a, s, c, j, 1);
+    }
+    mm(false, true, C, C, V, do_c, dout.st, u_c, V, 0.0f, block_mut(g.dA, s, c, j, C * C), C);  // do u^T
+    rows_axpy(C, V, v.chunk(j, s.h, c, C), v.st, -1.0f, eG_c, kqS_c, w.z.data(), V);          // z
+    mm(false, true, C, C, V, w.du.data(), V, w.z.data(), V, 0.0f, block_mut(g.dTb, s, c, j, C * C), C);
+    float* dv_c = dv.chunk(j, s.h, c, C);
+    mm(true, false, C, V, C, Tb_c, C, w.du.data(), V, 0.0f, dv_c, dv.st);                      // dz = Tb^T du
+    float* gG_c = block_mut(g.gG, s, c, j, C);
+    for (int64_t i = 0; i < C; ++i) {                        // d[kS; qS] = [-eG dz; scale eG do]; eG d eG
+      float acc = 0.0f;
+      const float e = eG_c[i], es = scale * eG_c[i];
+      float* __restrict__ dk = w.dkqS.data() + i * V;
+      float* __restrict__ dq = w.dkqS.data() + (C + i) * V;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t x = 0; x < V; ++x) {
+        dk[x] = -e * dv_c[i * dv.st + x];
+        dq[x] = es * do_c[i * dout.st + x];
+        acc += dk[x] * kqS_c[i * V + x] + dq[x] * kqS_c[(C + i) * V + x];
+      }
+      gG_c[i] = acc;
+    }
+    float* dkq_c = block_mut(g.dkq, s, c, j, C2 * K);
+    if (c || !zero_start) mm(false, true, C2, K, V, w.dkqS.data(), V, S, V, 0.0f, dkq_c, K);  // d kq S^T
+    else std::fill(dkq_c, dkq_c + C2 * K, 0.0f);
+    if (have_dS) mm(false, true, C, K, V, w.ue.data(), V, w.dS.data(), V, 1.0f, dkq_c, K);  // + (eGe u) dS^T
+    if (c || want_dh0) {                                                  // dS_c = a dS + kq^T d[kS; qS]
+      float beta = 0.0f;
+      if (have_dS) {
+        const float a_c = *block(a, s, c, j, 1);
+        float* dS = w.dS.data();
+#pragma omp simd
+        for (int64_t x = 0; x < KV; ++x) dS[x] *= a_c;
+        beta = 1.0f;
+      }
+      mm(true, false, K, V, C2, kq_c, K, w.dkqS.data(), V, beta, w.dS.data(), V);
+      have_dS = true;
+    }
+  }
+  if (want_dh0) {
+    float* dh0 = g.dh0.data_ptr<float>() + j * KV;
+    if (have_dS) std::copy(w.dS.begin(), w.dS.end(), dh0);
+    else std::fill(dh0, dh0 + KV, 0.0f);
+  }
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> gated_delta_scan_backward(torch::Tensor kq, torch::Tensor v, torch::Tensor eG,
+                                                     torch::Tensor eGe, torch::Tensor a, torch::Tensor Tb,
+                                                     torch::Tensor A, torch::Tensor states, torch::Tensor kqS,
+                                                     torch::Tensor u, torch::Tensor dout, torch::Tensor dlast,
+                                                     double scale, bool zero_start, bool want_dh0,
+                                                     int64_t threads) {
+  const Dims s = dims_of(kq, v);
+  TORCH_CHECK(dout.sizes() == v.sizes() && dout.stride(3) == 1, "gated_delta_cpu: do must be shaped like v");
+  auto opts = kq.options();
+  Grads g{torch::empty_like(kq), torch::empty({s.b, s.n * s.C, s.h, s.V}, opts), torch::empty_like(eG),
+          torch::zeros_like(eGe), torch::zeros_like(a), torch::empty_like(Tb), torch::empty_like(A),
+          want_dh0 ? torch::empty({s.b, s.h, s.K, s.V}, opts) : torch::empty({0}, opts)};
+  const float* dl = dlast.numel() ? dlast.data_ptr<float>() : nullptr;
+  const Rows vr(v), dr(dout), dvr(g.dv);
+  parallel_channels(s.bh(), static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
+    Scratch w(s);
+    for (int64_t j = begin; j < end; ++j)
+      backward_task(s, j, kq, vr, dr, eG, eGe, a, Tb, A, states, kqS, u, dl, g, dvr, zero_start, want_dh0,
+                    static_cast<float>(scale), w);
+  });
+  return {g.dkq, g.dv, g.gG, g.gGe, g.ga, g.dTb, g.dA, g.dh0};
+}

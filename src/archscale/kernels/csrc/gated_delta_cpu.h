@@ -1,0 +1,18 @@
+// The gated delta rule's chunk loop on CPU (gated_delta_cpu.cpp): declared here for the module's bindings.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+std::vector<torch::Tensor> gated_delta_scan_forward(torch::Tensor kq, torch::Tensor v, torch::Tensor eG,
+                                                    torch::Tensor eGe, torch::Tensor a, torch::Tensor Tb,
+                                                    torch::Tensor A, torch::Tensor h0, double scale, bool need_last,
+                                                    int64_t threads);
+
+std::vector<torch::Tensor> gated_delta_scan_backward(torch::Tensor kq, torch::Tensor v, torch::Tensor eG,
+                                                     torch::Tensor eGe, torch::Tensor a, torch::Tensor Tb,
+                                                     torch::Tensor A, torch::Tensor states, torch::Tensor kqS,
+                                                     torch::Tensor u, torch::Tensor dout, torch::Tensor dlast,
+                                                     double scale, bool zero_start, bool want_dh0,
+                                                     int64_t threads);
