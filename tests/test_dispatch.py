@@ -102,7 +102,7 @@ def test_the_real_kernels_on_cpu(monkeypatch):
     assert selective_scan.SCAN.resolve("auto", x=CPU, d_state=4) == "cpu"
     assert selective_scan.SCAN.resolve("auto", x=CPU, d_state=selective_scan.cpu_kernel.MAX_STATE + 1) == "chunked"
     assert ssd.SSD.resolve("auto", x=CPU) == "cpu" == ssd.SSD.resolve("cpu", x=CPU)
-    assert gated_delta.GATED_DELTA.resolve("auto", x=CPU) == "cpu"
+    assert gated_delta.GATED_DELTA.resolve("auto", x=torch.zeros(torch.get_num_threads(), 1, 1, 1)) == "cpu"
     assert cross_entropy.LINEAR_CROSS_ENTROPY.resolve(x=CPU) == "chunked"
     monkeypatch.delenv("ARCHSCALE_CONV_IMPL", raising=False)
     monkeypatch.setattr(short_conv.scan_cpu, "available", lambda: False)

@@ -223,12 +223,15 @@ def test_fla_kernel_matches_chunked():
 
 @pytest.mark.skipif(not scan_cpu.available(), reason="the C++ CPU module did not build")
 def test_cpu_loops_are_auto_on_cpu_and_agree_across_thread_counts():
-    """auto picks the C++ loops on CPU; one task per (batch row, head), so 1 and 2 threads split the work
-    differently and must agree (here 3 rows x 1 head: one thread takes two tasks)."""
+    """auto picks the C++ loops on CPU when there is a (batch row, head) task per thread; 1 and 2 threads split
+    the tasks differently and must agree (here 3 rows x 1 head: one thread takes two tasks)."""
     inputs = make_inputs(3, 21, 1, 8, 12, seed=5)
-    assert gd.GATED_DELTA.resolve(x=inputs["q"]) == "cpu"
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(3)
+        assert gd.GATED_DELTA.resolve(x=inputs["q"]) == "cpu"
+        torch.set_num_threads(4)                          # fewer tasks than threads: the torch loop's products
+        assert gd.GATED_DELTA.resolve(x=inputs["q"]) == "chunked"
         results = []
         for n in (1, 2):
             torch.set_num_threads(n)

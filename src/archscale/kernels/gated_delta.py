@@ -34,8 +34,8 @@ Implementations (``impl=``):
 - ``"fla"``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (flash-linear-attention, CUDA tensors). With
   `reset` the batch is flattened into one sequence with ``cu_seqlens`` (fla's varlen form); a call with both
   `reset` and `initial_state` falls back to ``"chunked"``.
-- ``"auto"`` (default): ``"fla"`` when fla imports and q is on CUDA, else ``"cpu"`` where the C++ module built,
-  else ``"chunked"``; ``ARCHSCALE_SCAN_IMPL`` (the Mamba scans' variable; its ``cuda`` means ``fla`` here)
+- ``"auto"`` (default): ``"fla"`` when fla imports and q is on CUDA, else ``"cpu"`` where the C++ module built
+  and there are at least as many (batch row, head) pairs as torch threads, else ``"chunked"``; ``ARCHSCALE_SCAN_IMPL`` (the Mamba scans' variable; its ``cuda`` means ``fla`` here)
   replaces auto.
 """
 
@@ -74,6 +74,12 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def _enough_tasks(x: Tensor, **_) -> bool:
+    """The C++ loop runs one task per (batch row, head): with fewer than torch's threads some would sit idle,
+    where the torch loop's batched products use them all."""
+    return x.dim() == 4 and x.shape[0] * x.shape[2] >= torch.get_num_threads()
+
+
 def _has_state_and_resets(initial_state: Tensor | None = None, reset: Tensor | None = None, **_) -> bool:
     return reset is not None and initial_state is not None  # fla's varlen form: one initial state per document
 
@@ -81,7 +87,7 @@ def _has_state_and_resets(initial_state: Tensor | None = None, reset: Tensor | N
 GATED_DELTA = Dispatch("gated_delta_rule", (
     cuda_impl("fla", lambda: _fla("chunk_gated_delta_rule"), "flash-linear-attention",
               steps_aside=_has_state_and_resets, instead="chunked"),
-    Impl("cpu", scan_cpu.unavailable_for),
+    Impl("cpu", scan_cpu.unavailable_for, in_auto=_enough_tasks),
     Impl("chunked"),
     Impl("ref"),
 ), env_var=ENV_VAR, aliases={"cuda": "fla"})  # ARCHSCALE_SCAN_IMPL, as the Mamba scans; their "cuda" is fla here
