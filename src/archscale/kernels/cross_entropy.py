@@ -127,25 +127,26 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tar
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
-    """The C++ kernel's mean loss; its gradient (computed in forward, already / valid rows) handed over once."""
+    """The C++ kernel's mean loss; its gradient (computed in forward, already / valid rows) handed over once. No
+    value is read on the host (the trainer's step allows one read, the loss and the grad norm together)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, label_smoothing, ignore_index, n_valid):
+    def forward(ctx, logits, targets, label_smoothing, ignore_index):
         from archscale.kernels import scan_cpu
 
-        losses, grad = scan_cpu.cross_entropy_rows(logits, targets, ignore_index, label_smoothing, 1.0 / n_valid)
+        losses, grad, n_valid = scan_cpu.cross_entropy_rows(logits, targets, ignore_index, label_smoothing)
         ctx.grad = grad  # not saved: backward scales it in place (usually not at all) and gives it away
-        return losses.sum() / n_valid
+        return losses.sum() / n_valid  # nan when every token is ignored, as F.cross_entropy
 
     @staticmethod
     def backward(ctx, grad_out):
+        from archscale.kernels import scan_cpu
+
         if ctx.grad is None:
             raise RuntimeError("cross_entropy: a second backward through the same loss (its gradient is computed "
                                "in forward and handed over once); recompute the loss")
         grad, ctx.grad = ctx.grad, None
-        if grad_out.item() != 1.0:  # loss.backward() passes exactly 1: nothing to scale
-            grad.mul_(grad_out)
-        return grad, None, None, None, None
+        return scan_cpu.scale_loss_grad(grad, grad_out), None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0,
@@ -155,11 +156,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: 
     x = logits.float()
     if torch.compiler.is_compiling() or CROSS_ENTROPY.resolve(impl, logits=x) != "cpu" or x.dim() != 2:
         return F.cross_entropy(x, targets, label_smoothing=label_smoothing, ignore_index=ignore_index)
-    n_valid = int((targets != ignore_index).sum())
-    if n_valid == 0:  # F.cross_entropy's nan, and its gradient
-        return F.cross_entropy(x, targets, label_smoothing=label_smoothing, ignore_index=ignore_index)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return _FusedCrossEntropy.apply(x, targets.long(), float(label_smoothing), int(ignore_index), n_valid)
+    return _FusedCrossEntropy.apply(x, targets.long(), float(label_smoothing), int(ignore_index))
 
 
 @dataclass(frozen=True)

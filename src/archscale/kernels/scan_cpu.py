@@ -337,19 +337,26 @@ def rms_norm_rows(x: Tensor, w: Tensor, eps: float) -> Tensor:
 
 # The language-model loss (through kernels/cross_entropy.py): row losses and the gradient, in one pass.
 @torch.library.custom_op("archscale::cross_entropy_cpu_fwd", mutates_args=())
-def cross_entropy_rows(logits: Tensor, targets: Tensor, ignore_index: int, label_smoothing: float,
-                       grad_scale: float) -> tuple[Tensor, Tensor]:
-    """logits (N, V) fp32, unit inner stride; targets (N,) int64. Returns (row losses (N,), d loss / d logits
-    (N, V) for the loss sum(row losses) * grad_scale). Not differentiable itself: kernels/cross_entropy.py hands
-    the gradient to autograd."""
-    losses, grad = _load().cross_entropy_forward(logits, targets.contiguous(), ignore_index, label_smoothing,
-                                                 grad_scale, torch.get_num_threads())
-    return losses, grad
+def cross_entropy_rows(logits: Tensor, targets: Tensor, ignore_index: int,
+                       label_smoothing: float) -> tuple[Tensor, Tensor, Tensor]:
+    """logits (N, V) fp32, unit inner stride; targets (N,) int64. Returns (row losses (N,), d mean / d logits
+    (N, V), the number of rows not ignored (a float32 scalar)). Not differentiable itself:
+    kernels/cross_entropy.py hands the gradient to autograd."""
+    losses, grad, n_valid = _load().cross_entropy_forward(logits, targets.contiguous(), ignore_index,
+                                                          label_smoothing, torch.get_num_threads())
+    return losses, grad, n_valid
 
 
 @cross_entropy_rows.register_fake
-def _(logits, targets, ignore_index, label_smoothing, grad_scale):
-    return logits.new_empty(logits.shape[0]), logits.new_empty(logits.shape)
+def _(logits, targets, ignore_index, label_smoothing):
+    return logits.new_empty(logits.shape[0]), logits.new_empty(logits.shape), logits.new_empty(())
+
+
+def scale_loss_grad(grad: Tensor, factor: Tensor) -> Tensor:
+    """grad *= factor in place (a one-element tensor, read in C++: no host read on the Python side), skipped when
+    it is exactly 1."""
+    _load().cross_entropy_scale_grad(grad, factor.float(), torch.get_num_threads())
+    return grad
 
 
 # Mamba-2's SSD chunked scan (through kernels/ssd.py). Absent optional inputs (starts, D, h0) are empty tensors.

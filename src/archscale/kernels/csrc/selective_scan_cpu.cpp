@@ -627,6 +627,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_forward", &rms_norm_forward, "RMSNorm forward (CPU, fp32)");
   m.def("rms_norm_backward", &rms_norm_backward, "RMSNorm backward (CPU, fp32)");
   m.def("cross_entropy_forward", &cross_entropy_forward, "cross-entropy and its gradient (CPU, fp32)");
+  m.def("cross_entropy_scale_grad", &cross_entropy_scale_grad, "the loss gradient times the upstream one (CPU)");
   m.def("gated_delta_scan_forward", &gated_delta_scan_forward, "gated delta rule chunk loop forward (CPU, fp32)");
   m.def("gated_delta_scan_backward", &gated_delta_scan_backward, "gated delta rule chunk loop backward (CPU, fp32)");
   m.def("ssd_forward", &ssd_forward, "Mamba-2 SSD chunked scan forward (CPU, fp32)");
