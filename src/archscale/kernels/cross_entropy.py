@@ -18,7 +18,8 @@ Plain path (`cross_entropy`, ``ARCHSCALE_LOSS_IMPL=cpu|torch`` for auto): on CPU
 `kernels/scan_cpu.py` computes each row's loss and its logit gradient in one pass over the row (the gradient is
 kept and handed to autograd, as the chunked path does); through autograd `F.cross_entropy` reads and writes the
 (tokens, vocab) logits ~6 times, ~70 ms of a ~1.1 s training step at 2,048 tokens x 8,192 vocab. Elsewhere (CUDA,
-no compiler, inside `torch.compile`) it is `F.cross_entropy`; tests/test_cross_entropy.py checks both against it.
+no compiler, inside `torch.compile`) it is `F.cross_entropy`; tests/test_cross_entropy_cpu.py checks both
+against float64.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ Implementations (``impl=``):
   `reset` the batch is flattened into one sequence with ``cu_seqlens`` (fla's varlen form); a call with both
   `reset` and `initial_state` falls back to ``"chunked"``.
 - ``"auto"`` (default): ``"fla"`` when fla imports and q is on CUDA, else ``"cpu"`` where the C++ module built
-  and there are at least as many (batch row, head) pairs as torch threads, else ``"chunked"``; ``ARCHSCALE_SCAN_IMPL`` (the Mamba scans' variable; its ``cuda`` means ``fla`` here)
-  replaces auto.
+  and there are at least as many (batch row, head) pairs as torch threads, else ``"chunked"``.
+  ``ARCHSCALE_SCAN_IMPL`` (the Mamba scans' variable; its ``cuda`` means ``fla`` here) replaces auto.
 """
 
 from __future__ import annotations
