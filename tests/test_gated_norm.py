@@ -21,8 +21,9 @@ def oracle(x, z, w, group, eps):
     return out.flatten(-2) * w.double()
 
 
-def grads(fn, x, z, w):
-    leaves = [t.detach().clone().requires_grad_() for t in (x, z, w)]
+def grads(fn, *tensors):
+    """fn's output and the gradients of a weighted sum of it w.r.t. every input (fp32)."""
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
     out = fn(*leaves)
     (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
     return [out.detach().float()] + [t.grad.float() for t in leaves]

@@ -8,6 +8,7 @@ import torch
 from archscale.kernels import scan_cpu
 from archscale.kernels.rms_norm import RMS_NORM, rms_norm
 from archscale.models.norm import RMSNorm
+from tests.test_gated_norm import assert_close, grads
 
 IMPLS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not scan_cpu.available(),
                                                                  reason="the CPU kernel did not build"))]
@@ -16,19 +17,6 @@ IMPLS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(not scan_cpu.avai
 def oracle(x, w, eps):
     x = x.double()
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
-
-
-def grads(fn, x, w):
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w)]
-    out = fn(*leaves)
-    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-    return [out.detach().float()] + [t.grad.float() for t in leaves]
-
-
-def assert_close(got, want, rtol=2e-5):
-    for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape
-        assert (g - w).abs().max() <= rtol * (w.abs().max() + 1e-12)
 
 
 def inputs(shape, seed=0):
