@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from archscale.errors import UserError
+from archscale.kernels import scan_cpu
 from archscale.kernels.dispatch import Dispatch, Impl, cuda_impl
 
 LOSS_CHOICES = ("auto", "plain", "chunked")
@@ -43,8 +44,6 @@ except Exception:  # pragma: no cover - not installed on CPU machines
 
 
 def _cpu_unavailable(logits: torch.Tensor, **call) -> str:
-    from archscale.kernels import scan_cpu
-
     return scan_cpu.unavailable_for(logits, **call)
 
 
@@ -133,16 +132,12 @@ class _FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, label_smoothing, ignore_index):
-        from archscale.kernels import scan_cpu
-
         losses, grad, n_valid = scan_cpu.cross_entropy_rows(logits, targets, ignore_index, label_smoothing)
         ctx.grad = grad  # not saved: backward scales it in place (usually not at all) and gives it away
         return losses.sum() / n_valid  # nan when every token is ignored, as F.cross_entropy
 
     @staticmethod
     def backward(ctx, grad_out):
-        from archscale.kernels import scan_cpu
-
         if ctx.grad is None:
             raise RuntimeError("cross_entropy: a second backward through the same loss (its gradient is computed "
                                "in forward and handed over once); recompute the loss")

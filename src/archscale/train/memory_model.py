@@ -242,7 +242,8 @@ def activations(model_cfg: ModelConfig, shape: RunShape, counts: dict[str, float
         per_token = sum(full)
     # outside the blocks: token ids, the final norm, lm_head's input; RoPE's fp32 cos/sin tables
     d = model_cfg.n_embd
-    outside = 8 + norm_saved(d, shape.device) + shape.act_bytes * d + 8 * d + (0 if model_cfg.nope else 4 * model_cfg.head_size)
+    outside = (8 + norm_saved(d, shape.device) + shape.act_bytes * d + 8 * d
+               + (0 if model_cfg.nope else 4 * model_cfg.head_size))
     # autocast's bf16 copies of fp32 weights, kept for backward (not under FSDP2 / DeepSpeed: weights already bf16)
     casts = 2 * counts["cast"] if shape.precision != "fp32" and shape.strategy in ("single", "ddp") else 0.0
     if shape.checkpointed:
