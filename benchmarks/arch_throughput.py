@@ -3,12 +3,16 @@ ArchScale's aspect ratio (so about equal non-embedding parameters), vocab 8192, 
 cross-entropy + backward + fused AdamW, fp32; the loss is the trainer's (`select_loss`: on CPU the C++ cross-entropy
 of kernels/cross_entropy.py, ``--ab ARCHSCALE_LOSS_IMPL=torch`` for F.cross_entropy).
 
-All models live in one process and are timed in alternating rounds (order reversed every round). Reported per
-model: the median tok/s over the rounds in wall time and its spread (slowest-fastest round); the ratio to the
+All models live in one process and are timed in alternating rounds (order reversed every round). A round in which
+other processes kept more than `--max-noise` cores busy (read from /proc, `machine_load.py`) is not counted, and
+rounds go on until `--rounds` quiet ones are in; the cores other processes used are printed for every round run.
+Reported per model: the median tok/s over the rounds in wall time and its spread (slowest-fastest round); the ratio to the
 first architecture, as the ratio of the medians and as the median (and range) of each round's own ratio (the
 models of a round run seconds apart, so a slow drift of the machine cancels in it); the ratio in CPU time of this
 process (which a busy neighbour distorts less, but which with several threads also counts threads waiting for
-work); the training FLOPs per token from the model's own count; and the MFU: those FLOPs at the median tok/s over
+work); the training FLOPs per token from the model's own count; the ratio those FLOPs allow at equal MFU (the
+first architecture's FLOPs per token over the model's: what the tok/s ratio would be if both ran their FLOPs at
+the same rate, so a ratio target above it asks the model to outrun the first architecture's MFU); and the MFU: those FLOPs at the median tok/s over
 the fp32 matmul peak (a 1024^3 matmul, measured once per round in this process, so "near the limit" is a number
 per architecture). Only same-run ratios mean anything on a shared machine; the CPU model and its vector flags are
 printed first.
@@ -39,6 +43,7 @@ from archscale.host_alloc import describe as describe_host_alloc
 from archscale.kernels.cross_entropy import select_loss
 from archscale.models import GPT, accounting
 from archscale.train.metrics import measure_matmul_flops
+from machine_load import CpuMeter
 from step_breakdown import describe, describe_bound, interleaved
 
 
@@ -87,24 +92,37 @@ def matmul_flops_per_token(model, seq: int) -> float:
     return 3.0 * sum(v for k, v in terms.items() if "elementwise" not in k)
 
 
-def timed_rounds(models: dict, archs: list[str], x, rounds: int) -> tuple[dict, dict, list[float]]:
+def timed_rounds(models: dict, archs: list[str], x, rounds: int, max_noise: float = 0.15,
+                 max_factor: int = 3) -> tuple[dict, dict, list[float], dict]:
     """Alternating rounds (order reversed every round), one step per model each, and a 0.3 s fp32 matmul peak
-    measurement per round in the same process; returns (wall seconds, CPU seconds, peaks FLOP/s)."""
-    wall = {name: [] for name in archs}
-    cpu = {name: [] for name in archs}
-    peaks = []
-    for r in range(rounds):
-        peaks.append(measure_matmul_flops(torch.device("cpu"), torch.float32))
-        for name in (archs if r % 2 == 0 else archs[::-1]):
-            model, opt, _, env = models[name]
-            t0, c0 = time.perf_counter(), time.process_time()
-            step(model, opt, x, env)
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-        tokens = x.shape[0] * (x.shape[1] - 1)
-        print(f"  round {r + 1}: " + "  ".join(f"{n} {tokens / wall[n][-1]:,.1f}" for n in archs)
-              + f" tok/s; matmul peak {peaks[-1] / 1e9:.1f} GFLOP/s; load avg {os.getloadavg()[0]:.2f}", flush=True)
-    return wall, cpu, peaks
+    measurement per round in the same process. A round in which other processes kept more than `max_noise` cores
+    busy is not counted; rounds go on until `rounds` quiet ones are in (at most `max_factor` x `rounds` run;
+    with fewer quiet ones, every round counts and the table says so). Returns (wall seconds, CPU seconds, peaks
+    FLOP/s) over the counted rounds, and {"quiet": count, "run": count, "others": cores per round run}."""
+    tokens = x.shape[0] * (x.shape[1] - 1)
+    run: list[tuple[dict, float, bool]] = []  # per round: {name: (wall, cpu)}, peak, quiet
+    others: list[float | None] = []
+    while sum(q for *_, q in run) < rounds and len(run) < max_factor * rounds:
+        r, times = len(run), {}
+        with CpuMeter() as meter:
+            peak = measure_matmul_flops(torch.device("cpu"), torch.float32)
+            for name in (archs if r % 2 == 0 else archs[::-1]):
+                model, opt, _, env = models[name]
+                t0, c0 = time.perf_counter(), time.process_time()
+                step(model, opt, x, env)
+                times[name] = (time.perf_counter() - t0, time.process_time() - c0)
+        quiet = meter.other_cores is None or meter.other_cores <= max_noise
+        run.append((times, peak, quiet))
+        others.append(meter.other_cores)
+        noise = "n/a" if meter.other_cores is None else f"{meter.other_cores:.2f}"
+        print(f"  round {r + 1}: " + "  ".join(f"{n} {tokens / times[n][0]:,.1f}" for n in archs)
+              + f" tok/s; matmul peak {peak / 1e9:.1f} GFLOP/s; other processes {noise} cores"
+              + ("" if quiet else "  (noisy: not counted)"), flush=True)
+    quiet_rounds = [r for r in run if r[2]]
+    used = quiet_rounds if len(quiet_rounds) >= rounds else run  # too few quiet ones: all count, flagged
+    wall = {name: [times[name][0] for times, *_ in used] for name in archs}
+    cpu = {name: [times[name][1] for times, *_ in used] for name in archs}
+    return wall, cpu, [peak for _, peak, _ in used], {"quiet": len(quiet_rounds), "run": len(run), "others": others}
 
 
 def main(argv=None) -> None:
@@ -115,6 +133,9 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--rounds", type=int, default=4, help="timed rounds (one step per model each)")
+    p.add_argument("--max-noise", type=float, default=0.15,
+                   help="a round in which other processes kept more than this many cores busy is not counted "
+                        "(rounds go on until --rounds quiet ones are in, at most 3x as many run)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--breakdown", action="store_true",
                    help="after the rounds, time every op of three more steps per model: products vs the rest")
@@ -149,21 +170,27 @@ def main(argv=None) -> None:
               + "".join(f"; {k}={v}" for k, v in env.items()))
         for _ in range(a.warmup):
             step(model, opt, x, env)
-    wall, cpu, peaks = timed_rounds(models, archs, x, a.rounds)
-    report(models, archs, a, wall, cpu, peaks)
+    wall, cpu, peaks, noise = timed_rounds(models, archs, x, a.rounds, a.max_noise)
+    report(models, archs, a, wall, cpu, peaks, noise)
     if a.breakdown:
         report_breakdown(models, archs, x, a.target)
 
 
-def report(models, archs, a, wall, cpu, peaks) -> None:
-    """The table: tok/s (median, spread over rounds), ratios to the first architecture, MFU at the median peak."""
+def report(models, archs, a, wall, cpu, peaks, noise) -> None:
+    """The table: tok/s (median, spread over rounds), ratios to the first architecture, the ratio its FLOPs allow
+    at equal MFU, and the MFU at the median peak."""
     tokens, peak = a.batch * a.seq, statistics.median(peaks)
     base, base_cpu = statistics.median(wall[archs[0]]), statistics.median(cpu[archs[0]])
+    base_flops = matmul_flops_per_token(models[archs[0]][0], a.seq)
+    counted = len(peaks)
+    print(f"rounds counted: {counted} ({noise['quiet']} quiet of {noise['run']} run"
+          + ("" if counted == noise["quiet"] else f"; fewer than {a.rounds} quiet: ALL counted, noisy") + "); "
+          "other processes per round (cores): " + " ".join("n/a" if c is None else f"{c:.2f}" for c in noise["others"]))
     print(f"fp32 matmul peak (1024^3, per round): median {peak / 1e9:.1f} GFLOP/s, "
           f"range {min(peaks) / 1e9:.1f}-{max(peaks) / 1e9:.1f}")
     print(f"| model | tok/s (median) | tok/s (min-max over rounds) | ratio to {archs[0]} | per-round ratio (median, "
-          "min-max) | ratio in CPU time | GFLOP/token (train) | MFU |")
-    print("|---|---|---|---|---|---|---|---|")
+          "min-max) | ratio in CPU time | GFLOP/token (train) | ratio at equal MFU | MFU |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in archs:
         med, med_cpu = statistics.median(wall[name]), statistics.median(cpu[name])
         per_token = matmul_flops_per_token(models[name][0], a.seq)
@@ -171,8 +198,9 @@ def report(models, archs, a, wall, cpu, peaks) -> None:
         print(f"| {name}_d{a.depth} | {tokens / med:,.0f} | {tokens / max(wall[name]):,.0f}-"
               f"{tokens / min(wall[name]):,.0f} | {base / med:.2f} | {statistics.median(paired):.2f} "
               f"({min(paired):.2f}-{max(paired):.2f}) | {base_cpu / med_cpu:.2f} | "
-              f"{per_token / 1e9:.3f} | {per_token * tokens / med / peak:.1%} |")
-    print(f"load avg at the end {os.getloadavg()[0]:.2f}")
+              f"{per_token / 1e9:.3f} | {base_flops / per_token:.3f} | {per_token * tokens / med / peak:.1%} |")
+    print(f"load avg at the end {os.getloadavg()[0]:.2f}; 'ratio at equal MFU' = {archs[0]}'s FLOPs per token over "
+          "the model's: the tok/s ratio if both ran their FLOPs at the same rate")
 
 
 def report_breakdown(models, archs, x, target: float, rounds: int = 3) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import platform
 import statistics
 import sys
@@ -42,6 +41,7 @@ from archscale.kernels import ssd as ssd_module
 from archscale.models.mixers.mamba2 import Mamba2
 from archscale.models.norm import RMSNorm
 from step_breakdown import describe, describe_bound, interleaved
+from machine_load import CpuMeter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -107,28 +107,12 @@ class Runner:
         return loss.item()
 
 
-def _busy_ticks() -> tuple[int, int] | None:
-    """(all CPU busy ticks on the machine, this process's ticks) from /proc, or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()
-        return v[0] + v[1] + v[2] + v[5] + v[6] + v[7], int(own[11]) + int(own[12])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def timed(runner: Runner, dtype, steps: int) -> tuple[float, float | None]:
     """Seconds for `steps` training steps, and the cores other processes kept busy meanwhile."""
-    before, t0 = _busy_ticks(), time.perf_counter()
-    for _ in range(steps):
-        runner.step(dtype)
-    seconds, after = time.perf_counter() - t0, _busy_ticks()
-    if before is None or after is None:
-        return seconds, None
-    others = (after[0] - before[0]) - (after[1] - before[1])
-    return seconds, max(0.0, others / os.sysconf("SC_CLK_TCK") / seconds)
+    with CpuMeter() as meter:
+        for _ in range(steps):
+            runner.step(dtype)
+    return meter.seconds, meter.other_cores
 
 
 def _loadavg() -> str:

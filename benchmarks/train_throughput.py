@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
 import statistics
 import sys
-import time
 from datetime import datetime, timezone
 
 import torch
@@ -32,6 +30,7 @@ from archscale.config import ModelConfig
 from archscale.export import to_llama_model
 from archscale.models import GPT
 from archscale.train.metrics import measure_matmul_flops
+from machine_load import CpuMeter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -95,47 +94,6 @@ class Runner:
             for _ in range(steps):
                 self.step(dtype)
         return meter.seconds, meter.other_cores
-
-
-class CpuMeter:
-    """Wall time of a block, and how many cores *other* processes kept busy meanwhile (Linux /proc; else None).
-
-    On a 2-core machine with 2 intra-op threads, one busy neighbour makes every parallel kernel wait for a
-    time slice and throughput collapses by up to 10x, hitting the model with more kernel launches harder. Such
-    rounds say nothing about the models, so they are detected and left out.
-    """
-
-    def __enter__(self) -> "CpuMeter":
-        self._t0, self._busy0, self._self0 = time.perf_counter(), _machine_busy_ticks(), _own_ticks()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.seconds = time.perf_counter() - self._t0
-        busy, own = _machine_busy_ticks(), _own_ticks()
-        if None in (busy, own, self._busy0, self._self0):
-            self.other_cores = None
-        else:
-            others = (busy - self._busy0) - (own - self._self0)
-            self.other_cores = max(0.0, others / os.sysconf("SC_CLK_TCK") / self.seconds)
-
-
-def _machine_busy_ticks() -> int | None:
-    try:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v
-    return user + nice + system + irq + softirq + steal
-
-
-def _own_ticks() -> int | None:
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[11]) + int(fields[12])  # utime + stime, all threads
 
 
 def measure_peak(dtype: torch.dtype, tries: int = 3) -> float:

@@ -208,15 +208,8 @@ void backward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows
     if (c || !zero_start) mm(false, true, C2, K, V, w.dkqS.data(), V, S, V, 0.0f, dkq_c, K);  // d kq S^T
     else std::fill(dkq_c, dkq_c + C2 * K, 0.0f);
     if (have_dS) mm(false, true, C, K, V, w.ue.data(), V, w.dS.data(), V, 1.0f, dkq_c, K);  // + (eGe u) dS^T
-    if (c || want_dh0) {                                                  // dS_c = a dS + kq^T d[kS; qS]
-      float beta = 0.0f;
-      if (have_dS) {
-        const float a_c = *block(a, s, c, j, 1);
-        float* dS = w.dS.data();
-#pragma omp simd
-        for (int64_t x = 0; x < KV; ++x) dS[x] *= a_c;
-        beta = 1.0f;
-      }
+    if (c || want_dh0) {  // dS_c = a dS + kq^T d[kS; qS]: the gemm scales dS by a (its beta) as it adds
+      const float beta = have_dS ? *block(a, s, c, j, 1) : 0.0f;
       mm(true, false, K, V, C2, kq_c, K, w.dkqS.data(), V, beta, w.dS.data(), V);
       have_dS = true;
     }

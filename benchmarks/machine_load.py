@@ -1,0 +1,55 @@
+"""How busy the rest of the machine was while a benchmark timed something (Linux /proc; None elsewhere).
+
+On a 2-core machine with 2 intra-op threads, one busy neighbour makes every parallel kernel wait for a time
+slice: a step slows by up to 10x, and a model with more (or more parallel) kernels is hit harder, so a ratio
+measured in such a round says nothing about the models. The throughput benchmarks time inside `CpuMeter` and
+report, or leave out, the rounds in which other processes kept more than a fraction of a core busy.
+
+    with CpuMeter() as meter:
+        step()
+    meter.seconds, meter.other_cores     # wall seconds; cores other processes used meanwhile (or None)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+class CpuMeter:
+    """Wall time of a block, and how many cores *other* processes kept busy meanwhile: the machine's busy CPU
+    ticks minus this process's own (all its threads), over the block's wall time."""
+
+    def __enter__(self) -> "CpuMeter":
+        self._t0, self._busy0, self._self0 = time.perf_counter(), machine_busy_ticks(), own_ticks()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self._t0
+        busy, own = machine_busy_ticks(), own_ticks()
+        if None in (busy, own, self._busy0, self._self0):
+            self.other_cores = None
+        else:
+            others = (busy - self._busy0) - (own - self._self0)
+            self.other_cores = max(0.0, others / os.sysconf("SC_CLK_TCK") / self.seconds)
+
+
+def machine_busy_ticks() -> int | None:
+    """Clock ticks every CPU of the machine spent busy since boot (/proc/stat: all but idle and iowait)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
+    return user + nice + system + irq + softirq + steal
+
+
+def own_ticks() -> int | None:
+    """Clock ticks this process (all its threads) spent on a CPU (/proc/self/stat: utime + stime)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[11]) + int(fields[12])
