@@ -3,19 +3,21 @@ ArchScale's aspect ratio (so about equal non-embedding parameters), vocab 8192, 
 cross-entropy + backward + fused AdamW, fp32; the loss is the trainer's (`select_loss`: on CPU the C++ cross-entropy
 of kernels/cross_entropy.py, ``--ab ARCHSCALE_LOSS_IMPL=torch`` for F.cross_entropy).
 
-All models live in one process and are timed in alternating rounds (order reversed every round). A round in which
-other processes kept more than `--max-noise` cores busy (read from /proc, `machine_load.py`) is not counted, and
-rounds go on until `--rounds` quiet ones are in; the cores other processes used are printed for every round run.
-Reported per model: the median tok/s over the rounds in wall time and its spread (slowest-fastest round); the ratio to the
-first architecture, as the ratio of the medians and as the median (and range) of each round's own ratio (the
-models of a round run seconds apart, so a slow drift of the machine cancels in it); the ratio in CPU time of this
-process (which a busy neighbour distorts less, but which with several threads also counts threads waiting for
-work); the training FLOPs per token from the model's own count; the ratio those FLOPs allow at equal MFU (the
-first architecture's FLOPs per token over the model's: what the tok/s ratio would be if both ran their FLOPs at
-the same rate, so a ratio target above it asks the model to outrun the first architecture's MFU); and the MFU: those FLOPs at the median tok/s over
-the fp32 matmul peak (a 1024^3 matmul, measured once per round in this process, so "near the limit" is a number
-per architecture). Only same-run ratios mean anything on a shared machine; the CPU model and its vector flags are
-printed first.
+All models live in one process and are timed in alternating rounds (order reversed every round). A round is not
+counted when other processes kept more than `--max-noise` cores busy (read from /proc, `machine_load.py`), or when
+the fp32 matmul peak measured just before or just after it fell below `--min-peak` x the best one of the run (on
+this VM the host's other work slows every core down without showing in /proc: the peak then drops by up to half);
+rounds go on until `--rounds` counted ones are in, and every round run is printed with both. Reported per model:
+the median tok/s over the rounds in wall time and its spread (slowest-fastest round); the ratio to the first
+architecture, as the ratio of the medians and as the median (and range) of each round's own ratio (the models of a
+round run seconds apart, so a slow drift of the machine cancels in it); the ratio in CPU time of this process
+(which a busy neighbour distorts less, but which with several threads also counts threads waiting for work); the
+training FLOPs per token from the model's own count; the ratio those FLOPs allow at equal MFU (the first
+architecture's FLOPs per token over the model's: what the tok/s ratio would be if both ran their FLOPs at the same
+rate, so a ratio target above it asks the model to outrun the first architecture's MFU); and the MFU: those FLOPs
+at the median tok/s over the fp32 matmul peak (a 1024^3 matmul, measured at the start of every round in this
+process, so "near the limit" is a number per architecture). Only same-run ratios mean anything on a shared machine;
+the CPU model and its vector flags are printed first.
 
     .venv/bin/python benchmarks/arch_throughput.py                                   # transformer vs mamba, d4
     .venv/bin/python benchmarks/arch_throughput.py --archs transformer,mamba,samba,sambay --rounds 6
@@ -92,37 +94,44 @@ def matmul_flops_per_token(model, seq: int) -> float:
     return 3.0 * sum(v for k, v in terms.items() if "elementwise" not in k)
 
 
-def timed_rounds(models: dict, archs: list[str], x, rounds: int, max_noise: float = 0.15,
+def timed_rounds(models: dict, archs: list[str], x, rounds: int, max_noise: float = 0.15, min_peak: float = 0.85,
                  max_factor: int = 3) -> tuple[dict, dict, list[float], dict]:
-    """Alternating rounds (order reversed every round), one step per model each, and a 0.3 s fp32 matmul peak
-    measurement per round in the same process. A round in which other processes kept more than `max_noise` cores
-    busy is not counted; rounds go on until `rounds` quiet ones are in (at most `max_factor` x `rounds` run;
-    with fewer quiet ones, every round counts and the table says so). Returns (wall seconds, CPU seconds, peaks
-    FLOP/s) over the counted rounds, and {"quiet": count, "run": count, "others": cores per round run}."""
+    """Alternating rounds (order reversed every round), one step per model each, between two 0.3 s fp32 matmul
+    peak measurements in the same process. A round is not counted when other processes kept more than `max_noise`
+    cores busy (/proc), or when either peak fell below `min_peak` x the best measured so far (a slowdown /proc
+    does not show: this VM's host running other work on the same cores or memory); rounds go on until `rounds`
+    counted ones are in (at most `max_factor` x `rounds` run; with fewer, every round counts and the table says
+    so). Returns (wall seconds, CPU seconds, peaks FLOP/s: each round's first) over the counted rounds, and
+    {"quiet": count, "run": count, "others": cores per round run}."""
     tokens = x.shape[0] * (x.shape[1] - 1)
-    run: list[tuple[dict, float, bool]] = []  # per round: {name: (wall, cpu)}, peak, quiet
+    best = max(measure_matmul_flops(torch.device("cpu"), torch.float32) for _ in range(3))
+    run: list[tuple[dict, float, bool]] = []  # per round: {name: (wall, cpu)}, peak, counted
     others: list[float | None] = []
     while sum(q for *_, q in run) < rounds and len(run) < max_factor * rounds:
         r, times = len(run), {}
         with CpuMeter() as meter:
-            peak = measure_matmul_flops(torch.device("cpu"), torch.float32)
+            before = measure_matmul_flops(torch.device("cpu"), torch.float32)
             for name in (archs if r % 2 == 0 else archs[::-1]):
                 model, opt, _, env = models[name]
                 t0, c0 = time.perf_counter(), time.process_time()
                 step(model, opt, x, env)
                 times[name] = (time.perf_counter() - t0, time.process_time() - c0)
-        quiet = meter.other_cores is None or meter.other_cores <= max_noise
-        run.append((times, peak, quiet))
+            after = measure_matmul_flops(torch.device("cpu"), torch.float32)
+        best = max(best, before, after)
+        busy = meter.other_cores is not None and meter.other_cores > max_noise
+        slow = min(before, after) < min_peak * best
+        run.append((times, before, not (busy or slow)))
         others.append(meter.other_cores)
         noise = "n/a" if meter.other_cores is None else f"{meter.other_cores:.2f}"
+        why = " and ".join(w for w, bad in (("busy", busy), ("slow", slow)) if bad)
         print(f"  round {r + 1}: " + "  ".join(f"{n} {tokens / times[n][0]:,.1f}" for n in archs)
-              + f" tok/s; matmul peak {peak / 1e9:.1f} GFLOP/s; other processes {noise} cores"
-              + ("" if quiet else "  (noisy: not counted)"), flush=True)
-    quiet_rounds = [r for r in run if r[2]]
-    used = quiet_rounds if len(quiet_rounds) >= rounds else run  # too few quiet ones: all count, flagged
+              + f" tok/s; matmul peak {before / 1e9:.1f} / {after / 1e9:.1f} GFLOP/s (before / after); other "
+              f"processes {noise} cores" + (f"  ({why}: not counted)" if why else ""), flush=True)
+    counted = [r for r in run if r[2]]
+    used = counted if len(counted) >= rounds else run  # too few quiet ones: all count, flagged
     wall = {name: [times[name][0] for times, *_ in used] for name in archs}
     cpu = {name: [times[name][1] for times, *_ in used] for name in archs}
-    return wall, cpu, [peak for _, peak, _ in used], {"quiet": len(quiet_rounds), "run": len(run), "others": others}
+    return wall, cpu, [peak for _, peak, _ in used], {"quiet": len(counted), "run": len(run), "others": others}
 
 
 def main(argv=None) -> None:
@@ -136,6 +145,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-noise", type=float, default=0.15,
                    help="a round in which other processes kept more than this many cores busy is not counted "
                         "(rounds go on until --rounds quiet ones are in, at most 3x as many run)")
+    p.add_argument("--min-peak", type=float, default=0.85,
+                   help="a round is not counted when the matmul peak measured before or after it fell below this "
+                        "fraction of the best one measured in the run (the host slowing this VM down)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--breakdown", action="store_true",
                    help="after the rounds, time every op of three more steps per model: products vs the rest")
@@ -170,7 +182,7 @@ def main(argv=None) -> None:
               + "".join(f"; {k}={v}" for k, v in env.items()))
         for _ in range(a.warmup):
             step(model, opt, x, env)
-    wall, cpu, peaks, noise = timed_rounds(models, archs, x, a.rounds, a.max_noise)
+    wall, cpu, peaks, noise = timed_rounds(models, archs, x, a.rounds, a.max_noise, a.min_peak)
     report(models, archs, a, wall, cpu, peaks, noise)
     if a.breakdown:
         report_breakdown(models, archs, x, a.target)
@@ -183,8 +195,8 @@ def report(models, archs, a, wall, cpu, peaks, noise) -> None:
     base, base_cpu = statistics.median(wall[archs[0]]), statistics.median(cpu[archs[0]])
     base_flops = matmul_flops_per_token(models[archs[0]][0], a.seq)
     counted = len(peaks)
-    print(f"rounds counted: {counted} ({noise['quiet']} quiet of {noise['run']} run"
-          + ("" if counted == noise["quiet"] else f"; fewer than {a.rounds} quiet: ALL counted, noisy") + "); "
+    print(f"rounds counted: {counted} ({noise['quiet']} of {noise['run']} run were quiet and at full speed"
+          + ("" if counted == noise["quiet"] else f"; fewer than {a.rounds}: ALL counted, noisy") + "); "
           "other processes per round (cores): " + " ".join("n/a" if c is None else f"{c:.2f}" for c in noise["others"]))
     print(f"fp32 matmul peak (1024^3, per round): median {peak / 1e9:.1f} GFLOP/s, "
           f"range {min(peaks) / 1e9:.1f}-{max(peaks) / 1e9:.1f}")

@@ -1,0 +1,96 @@
+"""benchmarks/arch_throughput.py's rounds: a round in which other processes kept the machine busy, or in which the
+matmul peak dropped (the host slowing the VM down), is not counted; rounds go on until enough counted ones are in,
+and with too few every round counts (and says so); benchmarks/machine_load.py's meter reads /proc."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    sys.path.insert(0, str(BENCH))  # the scripts import their neighbours (step_breakdown, machine_load)
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def arch():
+    return load("arch_throughput")
+
+
+def scripted(monkeypatch, arch, noise: list[float | None], peaks: list[tuple[float, float]] | None = None):
+    """Rounds whose meter reports `noise[i]` other cores and whose matmul peaks before / after are `peaks[i]`
+    (default: 100 + i before, 100 after; the three measured before the rounds are 100), so the peaks returned
+    (each counted round's first) say which rounds were counted; the steps do nothing."""
+    peaks = peaks or [(100.0 + i, 100.0) for i in range(len(noise))]
+    measured = iter([100.0] * 3 + [p for pair in peaks for p in pair])
+    rounds = iter(range(len(noise)))
+    state = {}
+
+    class Meter:
+        def __enter__(self):
+            state["round"] = next(rounds)
+            return self
+
+        def __exit__(self, *exc):
+            self.seconds, self.other_cores = 1.0, noise[state["round"]]
+
+    monkeypatch.setattr(arch, "CpuMeter", Meter)
+    monkeypatch.setattr(arch, "measure_matmul_flops", lambda *a: next(measured))
+    monkeypatch.setattr(arch, "step", lambda *a: None)
+
+
+def run(arch, rounds: int, max_noise: float = 0.15):
+    models = {"a": (None, None, 0, {}), "b": (None, None, 0, {})}
+    return arch.timed_rounds(models, ["a", "b"], torch.zeros(1, 3, dtype=torch.long), rounds, max_noise, 0.85)
+
+
+def test_busy_rounds_are_left_out_and_replaced(monkeypatch, arch):
+    scripted(monkeypatch, arch, [0.01, 0.9, 0.02, 0.16, 0.0])
+    wall, cpu, peaks, noise = run(arch, rounds=3)
+    assert peaks == [100.0, 102.0, 104.0]                # rounds 1 and 3 (0.9, 0.16 cores) not counted
+    assert noise == {"quiet": 3, "run": 5, "others": [0.01, 0.9, 0.02, 0.16, 0.0]}
+    assert all(len(v) == 3 for v in (*wall.values(), *cpu.values()))
+
+
+def test_slow_rounds_are_left_out(monkeypatch, arch):
+    # the peak before or after a round below 0.85 x the best so far (100, then 120 from round 2 on) = a slowdown
+    scripted(monkeypatch, arch, [0.0] * 5, [(100.0, 84.0), (120.0, 110.0), (101.0, 110.0), (103.0, 104.0),
+                                            (105.0, 120.0)])
+    _, _, peaks, noise = run(arch, rounds=3)
+    assert peaks == [120.0, 103.0, 105.0]                # 84 < 85; 101 < 0.85 x 120 = 102
+    assert noise["quiet"] == 3 and noise["run"] == 5
+
+
+def test_too_few_quiet_rounds_count_every_round(monkeypatch, arch):
+    scripted(monkeypatch, arch, [0.5, 0.0, 0.5, 0.5, 0.5, 0.5])
+    wall, _, peaks, noise = run(arch, rounds=2)          # at most 3 x 2 rounds run; only one was quiet
+    assert peaks == [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
+    assert noise["quiet"] == 1 and noise["run"] == 6
+    assert len(wall["a"]) == 6
+
+
+def test_unknown_load_counts_as_quiet(monkeypatch, arch):
+    scripted(monkeypatch, arch, [None, None])           # off Linux: nothing to judge by but the peaks
+    _, _, peaks, noise = run(arch, rounds=2)
+    assert peaks == [100.0, 101.0] and noise["quiet"] == 2
+
+
+def test_meter_reads_the_machine():
+    meter_module = load("machine_load")
+    with meter_module.CpuMeter() as meter:
+        sum(i * i for i in range(200_000))
+    assert meter.seconds > 0
+    if Path("/proc/stat").exists():
+        assert meter.other_cores is not None and meter.other_cores >= 0
+        assert meter_module.own_ticks() > 0 and meter_module.machine_busy_ticks() >= meter_module.own_ticks()
