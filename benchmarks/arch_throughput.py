@@ -45,7 +45,7 @@ from archscale.host_alloc import describe as describe_host_alloc
 from archscale.kernels.cross_entropy import select_loss
 from archscale.models import GPT, accounting
 from archscale.train.metrics import measure_matmul_flops
-from machine_load import CpuMeter
+from machine_load import CpuMeter, judge_round
 from step_breakdown import describe, describe_bound, interleaved
 
 
@@ -118,12 +118,10 @@ def timed_rounds(models: dict, archs: list[str], x, rounds: int, max_noise: floa
                 times[name] = (time.perf_counter() - t0, time.process_time() - c0)
             after = measure_matmul_flops(torch.device("cpu"), torch.float32)
         best = max(best, before, after)
-        busy = meter.other_cores is not None and meter.other_cores > max_noise
-        slow = min(before, after) < min_peak * best
-        run.append((times, before, not (busy or slow)))
+        why = judge_round(meter.other_cores, (before, after), best, max_noise, min_peak)
+        run.append((times, before, not why))
         others.append(meter.other_cores)
         noise = "n/a" if meter.other_cores is None else f"{meter.other_cores:.2f}"
-        why = " and ".join(w for w, bad in (("busy", busy), ("slow", slow)) if bad)
         print(f"  round {r + 1}: " + "  ".join(f"{n} {tokens / times[n][0]:,.1f}" for n in archs)
               + f" tok/s; matmul peak {before / 1e9:.1f} / {after / 1e9:.1f} GFLOP/s (before / after); other "
               f"processes {noise} cores" + (f"  ({why}: not counted)" if why else ""), flush=True)

@@ -53,3 +53,14 @@ def own_ticks() -> int | None:
     except (OSError, IndexError):
         return None
     return int(fields[11]) + int(fields[12])
+
+
+def judge_round(other_cores: float | None, peaks: tuple[float, float], best: float, max_noise: float,
+                min_peak: float) -> str:
+    """Why a timed round should not count ("" if it should): "busy" when other processes kept more than
+    `max_noise` cores busy; "slow" when the matmul peak measured just before or after it fell below `min_peak` x
+    the best of the run (`best`, these two included): on a VM the host's own load slows every core down without
+    showing in /proc (the peak halved on ours while /proc showed 0.01 other cores)."""
+    busy = other_cores is not None and other_cores > max_noise
+    slow = min(peaks) < min_peak * best
+    return " and ".join(why for why, bad in (("busy", busy), ("slow", slow)) if bad)

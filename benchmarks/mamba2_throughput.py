@@ -10,8 +10,10 @@ cross-entropy + backward + AdamW step (+ zero_grad). Each side's loss is its fra
 
 The models live in one process and are timed in alternating rounds (order reversed every round, so drift hits
 both alike). Reported: median tok/s over the rounds, the ratio of the medians and the median of the per-round
-ratios, and how many cores other processes used during each round (from /proc; the machine is shared, so only
-same-run ratios mean anything).
+ratios. A round is not counted when other processes kept more than `--max-noise` cores busy (from /proc) or
+when the fp32 matmul peak measured just before or after it fell below `--min-peak` x the run's best (the host
+slowing this VM down, which /proc does not show); rounds go on until `--rounds` counted ones are in, and every
+round run is printed. The machine is shared, so only same-run ratios mean anything.
 
     .venv/bin/python benchmarks/mamba2_throughput.py                 # fp32, B4 x T512, width 512 x 4 layers
     .venv/bin/python benchmarks/mamba2_throughput.py --torch_chunk 256 # our scan at ArchScale's chunk length
@@ -40,8 +42,9 @@ from archscale.kernels.cross_entropy import select_loss
 from archscale.kernels import ssd as ssd_module
 from archscale.models.mixers.mamba2 import Mamba2
 from archscale.models.norm import RMSNorm
+from archscale.train.metrics import measure_matmul_flops
+from machine_load import CpuMeter, judge_round
 from step_breakdown import describe, describe_bound, interleaved
-from machine_load import CpuMeter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -127,7 +130,12 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="bf16 = CPU autocast")
     p.add_argument("--steps", type=int, default=1, help="timed steps per model per round")
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds to count")
+    p.add_argument("--max-noise", type=float, default=0.15,
+                   help="a round in which other processes kept more than this many cores busy is not counted")
+    p.add_argument("--min-peak", type=float, default=0.85,
+                   help="a round is not counted when the matmul peak measured before or after it fell below this "
+                        "fraction of the run's best (the host slowing this VM down)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per model first")
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--scan_impl", default="auto", help="our ssd_scan impl: auto (the C++ kernel on CPU when it builds), cpu, chunked (the torch path), ref")
@@ -169,23 +177,12 @@ def main(argv=None) -> None:
           f"load avg {_loadavg()}\n{host_alloc}")
     for r in runners:
         print(f"  {r.name:5s} {counts[r.name] / 1e6:6.2f}M params", flush=True)
-    tokens = args.batch * args.seq
     for r in runners:
         t0 = time.perf_counter()
         for _ in range(args.warmup):
             r.step(dtype)
         print(f"  warmup {r.name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    rows = []
-    for k in range(args.rounds):
-        row, noise = {}, 0.0
-        for r in runners if k % 2 == 0 else runners[::-1]:
-            seconds, others = timed(r, dtype, args.steps)
-            row[r.name] = args.steps * tokens / seconds
-            noise = max(noise, others or 0.0)
-        row["noise"] = noise
-        rows.append(row)
-        print(f"  round {k + 1}: " + "  ".join(f"{n} {row[n]:,.1f}" for n in row if n != "noise")
-              + f" tok/s; other processes {noise:.2f} cores", flush=True)
+    rows = timed_rounds(runners, dtype, args)
     med = {r.name: statistics.median(row[r.name] for row in rows) for r in runners}
     print("| model | tok/s (median) |")
     print("|-------|----------------|")
@@ -195,10 +192,37 @@ def main(argv=None) -> None:
         paired = statistics.median(row["ours"] / row["hf"] for row in rows)
         print(f"ours/hf: {med['ours'] / med['hf']:.2f}x (ratio of medians), {paired:.2f}x (median of per-round "
               f"ratios)")
-    print("other processes per round (cores): " + " ".join(f"{row['noise']:.2f}" for row in rows)
-          + f"; load avg at end {_loadavg()}")
+    print(f"rounds counted: {len(rows)}; load avg at end {_loadavg()}")
     if args.breakdown:
         report_breakdown(runners, dtype, args.target)
+
+
+def timed_rounds(runners: list[Runner], dtype, args) -> list[dict]:
+    """Alternating rounds between two 0.3 s matmul peak measurements; a round is not counted when other processes
+    were busy or the peak dropped (`machine_load.judge_round`), and rounds go on until `args.rounds` counted ones
+    are in (at most 3x as many run; with fewer, every round counts, flagged). Returns the counted rounds, each
+    {model name: tok/s}."""
+    peak = lambda: measure_matmul_flops(torch.device("cpu"), torch.float32)  # noqa: E731
+    best, run, tokens = max(peak() for _ in range(3)), [], args.batch * args.seq
+    while sum(1 for _, why in run if not why) < args.rounds and len(run) < 3 * args.rounds:
+        k, row, noise = len(run), {}, 0.0
+        before = peak()
+        for r in runners if k % 2 == 0 else runners[::-1]:
+            seconds, others = timed(r, dtype, args.steps)
+            row[r.name] = args.steps * tokens / seconds
+            noise = max(noise, others or 0.0)
+        after = peak()
+        best = max(best, before, after)
+        why = judge_round(noise, (before, after), best, args.max_noise, args.min_peak)
+        run.append((row, why))
+        print(f"  round {k + 1}: " + "  ".join(f"{n} {v:,.1f}" for n, v in row.items()) + f" tok/s; matmul peak "
+              f"{before / 1e9:.1f} / {after / 1e9:.1f} GFLOP/s (before / after); other processes {noise:.2f} cores"
+              + (f"  ({why}: not counted)" if why else ""), flush=True)
+    counted = [row for row, why in run if not why]
+    if len(counted) < args.rounds:
+        print(f"  only {len(counted)} of {len(run)} rounds were quiet and at full speed: ALL counted, noisy")
+        return [row for row, _ in run]
+    return counted
 
 
 def report_breakdown(runners: list[Runner], dtype, target: float, rounds: int = 3) -> None:
