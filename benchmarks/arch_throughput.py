@@ -45,7 +45,7 @@ from archscale.host_alloc import describe as describe_host_alloc
 from archscale.kernels.cross_entropy import select_loss
 from archscale.models import GPT, accounting
 from archscale.train.metrics import measure_matmul_flops
-from machine_load import CpuMeter, judge_round
+from machine_load import CpuMeter, counted_rounds
 from step_breakdown import describe, describe_bound, interleaved
 
 
@@ -94,42 +94,30 @@ def matmul_flops_per_token(model, seq: int) -> float:
     return 3.0 * sum(v for k, v in terms.items() if "elementwise" not in k)
 
 
-def timed_rounds(models: dict, archs: list[str], x, rounds: int, max_noise: float = 0.15, min_peak: float = 0.85,
-                 max_factor: int = 3) -> tuple[dict, dict, list[float], dict]:
-    """Alternating rounds (order reversed every round), one step per model each, between two 0.3 s fp32 matmul
-    peak measurements in the same process. A round is not counted when other processes kept more than `max_noise`
-    cores busy (/proc), or when either peak fell below `min_peak` x the best measured so far (a slowdown /proc
-    does not show: this VM's host running other work on the same cores or memory); rounds go on until `rounds`
-    counted ones are in (at most `max_factor` x `rounds` run; with fewer, every round counts and the table says
-    so). Returns (wall seconds, CPU seconds, peaks FLOP/s: each round's first) over the counted rounds, and
-    {"quiet": count, "run": count, "others": cores per round run}."""
+def timed_rounds(models: dict, archs: list[str], x, rounds: int, max_noise: float = 0.15,
+                 min_peak: float = 0.85) -> tuple[dict, dict, list[float], dict]:
+    """Alternating rounds (order reversed every round), one step per model each, until `rounds` count
+    (`machine_load.counted_rounds`: not when other processes were busy, nor when the fp32 matmul peak measured
+    just before or after the round dropped). Returns (wall seconds, CPU seconds, peaks FLOP/s) over the counted
+    rounds, and {"quiet": count, "run": count, "others": cores per round run}."""
     tokens = x.shape[0] * (x.shape[1] - 1)
-    best = max(measure_matmul_flops(torch.device("cpu"), torch.float32) for _ in range(3))
-    run: list[tuple[dict, float, bool]] = []  # per round: {name: (wall, cpu)}, peak, counted
-    others: list[float | None] = []
-    while sum(q for *_, q in run) < rounds and len(run) < max_factor * rounds:
-        r, times = len(run), {}
+
+    def play(r: int):
+        times = {}
         with CpuMeter() as meter:
-            before = measure_matmul_flops(torch.device("cpu"), torch.float32)
             for name in (archs if r % 2 == 0 else archs[::-1]):
                 model, opt, _, env = models[name]
                 t0, c0 = time.perf_counter(), time.process_time()
                 step(model, opt, x, env)
                 times[name] = (time.perf_counter() - t0, time.process_time() - c0)
-            after = measure_matmul_flops(torch.device("cpu"), torch.float32)
-        best = max(best, before, after)
-        why = judge_round(meter.other_cores, (before, after), best, max_noise, min_peak)
-        run.append((times, before, not why))
-        others.append(meter.other_cores)
-        noise = "n/a" if meter.other_cores is None else f"{meter.other_cores:.2f}"
-        print(f"  round {r + 1}: " + "  ".join(f"{n} {tokens / times[n][0]:,.1f}" for n in archs)
-              + f" tok/s; matmul peak {before / 1e9:.1f} / {after / 1e9:.1f} GFLOP/s (before / after); other "
-              f"processes {noise} cores" + (f"  ({why}: not counted)" if why else ""), flush=True)
-    counted = [r for r in run if r[2]]
-    used = counted if len(counted) >= rounds else run  # too few quiet ones: all count, flagged
-    wall = {name: [times[name][0] for times, *_ in used] for name in archs}
-    cpu = {name: [times[name][1] for times, *_ in used] for name in archs}
-    return wall, cpu, [peak for _, peak, _ in used], {"quiet": len(counted), "run": len(run), "others": others}
+        text = "  ".join(f"{n} {tokens / times[n][0]:,.1f}" for n in archs) + " tok/s"
+        return times, text, meter.other_cores
+
+    peak = lambda: measure_matmul_flops(torch.device("cpu"), torch.float32)  # noqa: E731
+    used, noise = counted_rounds(play, rounds, peak, max_noise, min_peak)
+    wall = {name: [times[name][0] for times, _ in used] for name in archs}
+    cpu = {name: [times[name][1] for times, _ in used] for name in archs}
+    return wall, cpu, [p for _, p in used], noise
 
 
 def main(argv=None) -> None:

@@ -64,3 +64,32 @@ def judge_round(other_cores: float | None, peaks: tuple[float, float], best: flo
     busy = other_cores is not None and other_cores > max_noise
     slow = min(peaks) < min_peak * best
     return " and ".join(why for why, bad in (("busy", busy), ("slow", slow)) if bad)
+
+
+def counted_rounds(play, rounds: int, peak, max_noise: float = 0.15, min_peak: float = 0.85,
+                   max_factor: int = 3) -> tuple[list[tuple[object, float]], dict]:
+    """Timed rounds until `rounds` of them count (at most `max_factor` x `rounds` run): `play(r)` runs round r
+    and returns (its result, its tok/s text, the cores other processes used); `peak()` measures the matmul peak
+    (FLOP/s), taken 3 times first and then just before and after every round, and each round is judged by
+    `judge_round` against the best so far and printed. Returns [(result, peak before)] over the counted rounds
+    (every round, flagged, when fewer counted) and {"quiet": counted, "run": run, "others": cores per round}."""
+    best = max(peak() for _ in range(3))
+    run: list[tuple[object, float, str]] = []  # per round: result, peak before, why it does not count
+    others: list[float | None] = []
+    while sum(not why for *_, why in run) < rounds and len(run) < max_factor * rounds:
+        before = peak()
+        result, text, other_cores = play(len(run))
+        after = peak()
+        best = max(best, before, after)
+        why = judge_round(other_cores, (before, after), best, max_noise, min_peak)
+        run.append((result, before, why))
+        others.append(other_cores)
+        noise = "n/a" if other_cores is None else f"{other_cores:.2f}"
+        print(f"  round {len(run)}: {text}; matmul peak {before / 1e9:.1f} / {after / 1e9:.1f} GFLOP/s (before / "
+              f"after); other processes {noise} cores" + (f"  ({why}: not counted)" if why else ""), flush=True)
+    counted = [(result, before) for result, before, why in run if not why]
+    if len(counted) < rounds:
+        print(f"  only {len(counted)} of {len(run)} rounds were quiet and at full speed: ALL counted, noisy")
+        return [(result, before) for result, before, _ in run], {"quiet": len(counted), "run": len(run),
+                                                                 "others": others}
+    return counted, {"quiet": len(counted), "run": len(run), "others": others}

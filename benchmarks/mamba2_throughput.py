@@ -43,7 +43,7 @@ from archscale.kernels import ssd as ssd_module
 from archscale.models.mixers.mamba2 import Mamba2
 from archscale.models.norm import RMSNorm
 from archscale.train.metrics import measure_matmul_flops
-from machine_load import CpuMeter, judge_round
+from machine_load import CpuMeter, counted_rounds
 from step_breakdown import describe, describe_bound, interleaved
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -198,31 +198,22 @@ def main(argv=None) -> None:
 
 
 def timed_rounds(runners: list[Runner], dtype, args) -> list[dict]:
-    """Alternating rounds between two 0.3 s matmul peak measurements; a round is not counted when other processes
-    were busy or the peak dropped (`machine_load.judge_round`), and rounds go on until `args.rounds` counted ones
-    are in (at most 3x as many run; with fewer, every round counts, flagged). Returns the counted rounds, each
-    {model name: tok/s}."""
-    peak = lambda: measure_matmul_flops(torch.device("cpu"), torch.float32)  # noqa: E731
-    best, run, tokens = max(peak() for _ in range(3)), [], args.batch * args.seq
-    while sum(1 for _, why in run if not why) < args.rounds and len(run) < 3 * args.rounds:
-        k, row, noise = len(run), {}, 0.0
-        before = peak()
+    """Alternating rounds until `args.rounds` count (`machine_load.counted_rounds`: not when other processes
+    were busy, nor when the fp32 matmul peak measured just before or after the round dropped). Returns the
+    counted rounds, each {model name: tok/s}."""
+    tokens = args.batch * args.seq
+
+    def play(k: int):
+        row, noise = {}, 0.0
         for r in runners if k % 2 == 0 else runners[::-1]:
             seconds, others = timed(r, dtype, args.steps)
             row[r.name] = args.steps * tokens / seconds
             noise = max(noise, others or 0.0)
-        after = peak()
-        best = max(best, before, after)
-        why = judge_round(noise, (before, after), best, args.max_noise, args.min_peak)
-        run.append((row, why))
-        print(f"  round {k + 1}: " + "  ".join(f"{n} {v:,.1f}" for n, v in row.items()) + f" tok/s; matmul peak "
-              f"{before / 1e9:.1f} / {after / 1e9:.1f} GFLOP/s (before / after); other processes {noise:.2f} cores"
-              + (f"  ({why}: not counted)" if why else ""), flush=True)
-    counted = [row for row, why in run if not why]
-    if len(counted) < args.rounds:
-        print(f"  only {len(counted)} of {len(run)} rounds were quiet and at full speed: ALL counted, noisy")
-        return [row for row, _ in run]
-    return counted
+        return row, "  ".join(f"{n} {v:,.1f}" for n, v in row.items()) + " tok/s", noise
+
+    peak = lambda: measure_matmul_flops(torch.device("cpu"), torch.float32)  # noqa: E731
+    used, _ = counted_rounds(play, args.rounds, peak, args.max_noise, args.min_peak)
+    return [row for row, _ in used]
 
 
 def report_breakdown(runners: list[Runner], dtype, target: float, rounds: int = 3) -> None:
