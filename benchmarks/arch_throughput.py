@@ -16,8 +16,9 @@ training FLOPs per token from the model's own count; the ratio those FLOPs allow
 architecture's FLOPs per token over the model's: what the tok/s ratio would be if both ran their FLOPs at the same
 rate, so a ratio target above it asks the model to outrun the first architecture's MFU); and the MFU: those FLOPs
 at the median tok/s over the fp32 matmul peak (a 1024^3 matmul, measured at the start of every round in this
-process, so "near the limit" is a number per architecture). Only same-run ratios mean anything on a shared machine;
-the CPU model and its vector flags are printed first.
+process, so "near the limit" is a number per architecture). Under the table, 95% bootstrap intervals of both ratios
+(whole rounds resampled, `machine_load.ratio_intervals`): whether the run resolves a target such as 0.85. Only
+same-run ratios mean anything on a shared machine; the CPU model and its vector flags are printed first.
 
     .venv/bin/python benchmarks/arch_throughput.py                                   # transformer vs mamba, d4
     .venv/bin/python benchmarks/arch_throughput.py --archs transformer,mamba,samba,sambay --rounds 6
@@ -45,7 +46,7 @@ from archscale.host_alloc import describe as describe_host_alloc
 from archscale.kernels.cross_entropy import select_loss
 from archscale.models import GPT, accounting
 from archscale.train.metrics import measure_matmul_flops
-from machine_load import CpuMeter, counted_rounds
+from machine_load import CpuMeter, counted_rounds, ratio_intervals
 from step_breakdown import describe, describe_bound, interleaved
 
 
@@ -199,6 +200,16 @@ def report(models, archs, a, wall, cpu, peaks, noise) -> None:
               f"{per_token / 1e9:.3f} | {base_flops / per_token:.3f} | {per_token * tokens / med / peak:.1%} |")
     print(f"load avg at the end {os.getloadavg()[0]:.2f}; 'ratio at equal MFU' = {archs[0]}'s FLOPs per token over "
           "the model's: the tok/s ratio if both ran their FLOPs at the same rate")
+    if counted > 1 and len(archs) > 1:
+        print(f"95% bootstrap intervals of the ratios to {archs[0]} over the {counted} rounds used (2,000 resamples "
+              "of whole rounds, seed 0): " + "; ".join(interval_text(name, wall[archs[0]], wall[name])
+                                                      for name in archs[1:]))
+
+
+def interval_text(name: str, base: list[float], walls: list[float]) -> str:
+    iv = ratio_intervals(base, walls)
+    return (f"{name} ratio of medians {iv['medians'][0]:.3f}-{iv['medians'][1]:.3f}, per-round "
+            f"{iv['per_round'][0]:.3f}-{iv['per_round'][1]:.3f}")
 
 
 def report_breakdown(models, archs, x, target: float, rounds: int = 3) -> None:

@@ -8,11 +8,16 @@ report, or leave out, the rounds in which other processes kept more than a fract
     with CpuMeter() as meter:
         step()
     meter.seconds, meter.other_cores     # wall seconds; cores other processes used meanwhile (or None)
+
+`counted_rounds` runs the rounds and leaves out the busy or slowed ones (`judge_round`); `ratio_intervals` gives
+bootstrap intervals of the ratios over the rounds used.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import statistics
 import time
 
 
@@ -93,3 +98,34 @@ def counted_rounds(play, rounds: int, peak, max_noise: float = 0.15, min_peak: f
         return [(result, before) for result, before, _ in run], {"quiet": len(counted), "run": len(run),
                                                                  "others": others}
     return counted, {"quiet": len(counted), "run": len(run), "others": others}
+
+
+def ratio_intervals(base: list[float], other: list[float], level: float = 0.95, resamples: int = 2000,
+                    seed: int = 0) -> dict[str, tuple[float, float]]:
+    """Percentile-bootstrap intervals of the two ratios a benchmark table reports, from paired per-round values
+    (`base[i]`, `other[i]`: round i's): "medians", median(base) / median(other), and "per_round", the median of
+    base[i] / other[i]. Pass wall times with the reference model as `base` (its time over the other's is the
+    other's tok/s over its), or tok/s with the numerator as `base`. Whole rounds are resampled, so the pairing
+    stays; the seed is fixed, so a run's printout is reproducible. On a host whose noise moves single steps by
+    20%, this says whether a run resolves a target such as 0.85 or not."""
+    if len(base) != len(other) or not base:
+        raise ValueError("ratio_intervals: base and other need the same, non-zero number of rounds")
+    rng = random.Random(seed)
+    n = len(base)
+    medians, per_round = [], []
+    for _ in range(resamples):
+        pick = [rng.randrange(n) for _ in range(n)]
+        medians.append(statistics.median(base[i] for i in pick) / statistics.median(other[i] for i in pick))
+        per_round.append(statistics.median(base[i] / other[i] for i in pick))
+    tail = (1.0 - level) / 2.0
+    cut = lambda xs: (_quantile(xs, tail), _quantile(xs, 1.0 - tail))  # noqa: E731
+    return {"medians": cut(medians), "per_round": cut(per_round)}
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """The q-quantile of xs by linear interpolation between order statistics."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)

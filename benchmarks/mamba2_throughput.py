@@ -10,7 +10,7 @@ cross-entropy + backward + AdamW step (+ zero_grad). Each side's loss is its fra
 
 The models live in one process and are timed in alternating rounds (order reversed every round, so drift hits
 both alike). Reported: median tok/s over the rounds, the ratio of the medians and the median of the per-round
-ratios. A round is not counted when other processes kept more than `--max-noise` cores busy (from /proc) or
+ratios, each with a 95% bootstrap interval (whole rounds resampled, `machine_load.ratio_intervals`). A round is not counted when other processes kept more than `--max-noise` cores busy (from /proc) or
 when the fp32 matmul peak measured just before or after it fell below `--min-peak` x the run's best (the host
 slowing this VM down, which /proc does not show); rounds go on until `--rounds` counted ones are in, and every
 round run is printed. The machine is shared, so only same-run ratios mean anything.
@@ -43,7 +43,7 @@ from archscale.kernels import ssd as ssd_module
 from archscale.models.mixers.mamba2 import Mamba2
 from archscale.models.norm import RMSNorm
 from archscale.train.metrics import measure_matmul_flops
-from machine_load import CpuMeter, counted_rounds
+from machine_load import CpuMeter, counted_rounds, ratio_intervals
 from step_breakdown import describe, describe_bound, interleaved
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -192,6 +192,11 @@ def main(argv=None) -> None:
         paired = statistics.median(row["ours"] / row["hf"] for row in rows)
         print(f"ours/hf: {med['ours'] / med['hf']:.2f}x (ratio of medians), {paired:.2f}x (median of per-round "
               f"ratios)")
+        if len(rows) > 1:
+            iv = ratio_intervals([row["ours"] for row in rows], [row["hf"] for row in rows])
+            print(f"95% bootstrap intervals over the {len(rows)} rounds used (2,000 resamples of whole rounds, seed 0): "
+                  f"ratio of medians {iv['medians'][0]:.3f}-{iv['medians'][1]:.3f}x, per-round "
+                  f"{iv['per_round'][0]:.3f}-{iv['per_round'][1]:.3f}x")
     print(f"rounds counted: {len(rows)}; load avg at end {_loadavg()}")
     if args.breakdown:
         report_breakdown(runners, dtype, args.target)

@@ -94,3 +94,44 @@ def test_meter_reads_the_machine():
     if Path("/proc/stat").exists():
         assert meter.other_cores is not None and meter.other_cores >= 0
         assert meter_module.own_ticks() > 0 and meter_module.machine_busy_ticks() >= meter_module.own_ticks()
+
+
+@pytest.fixture(scope="module")
+def load_module():
+    return load("machine_load")
+
+
+def test_ratio_intervals_pin_a_constant_ratio(load_module):
+    """Every round with the same ratio: both intervals are that ratio exactly."""
+    base = [2.0, 2.2, 1.9, 2.5, 2.1]
+    iv = load_module.ratio_intervals(base, [b / 0.85 for b in base])
+    for lo, hi in iv.values():
+        assert lo == pytest.approx(0.85, abs=1e-12) and hi == pytest.approx(0.85, abs=1e-12)
+
+
+def test_ratio_intervals_cover_the_estimate_and_narrow_with_rounds(load_module):
+    """Noisy rounds: the interval holds the run's own ratios, is reproducible (fixed seed), and narrows when
+    sixteen times as many rounds are drawn from the same noise (interval widths ~0.05-0.09 at 20 rounds, ~0.02 at
+    320, over seeds 1-3)."""
+    import random
+    import statistics
+
+    def rounds(n: int, seed: int):
+        rng = random.Random(seed)
+        base = [2.0 * rng.uniform(1.0, 1.3) for _ in range(n)]
+        return base, [b / 0.86 * rng.uniform(0.9, 1.1) for b in base]
+
+    base, other = rounds(20, 1)
+    iv = load_module.ratio_intervals(base, other)
+    point = statistics.median(base) / statistics.median(other)
+    per_round = statistics.median(b / o for b, o in zip(base, other))
+    assert iv["medians"][0] <= point <= iv["medians"][1]
+    assert iv["per_round"][0] <= per_round <= iv["per_round"][1]
+    assert iv == load_module.ratio_intervals(base, other)
+    many = load_module.ratio_intervals(*rounds(320, 2))
+    for key in ("medians", "per_round"):
+        (lo, hi), (few_lo, few_hi) = many[key], iv[key]
+        assert hi - lo < 0.5 * (few_hi - few_lo)
+        assert lo < 0.86 < hi
+    with pytest.raises(ValueError):
+        load_module.ratio_intervals(base, other[:-1])
