@@ -75,29 +75,36 @@ def counted_rounds(play, rounds: int, peak, max_noise: float = 0.15, min_peak: f
                    max_factor: int = 3) -> tuple[list[tuple[object, float]], dict]:
     """Timed rounds until `rounds` of them count (at most `max_factor` x `rounds` run): `play(r)` runs round r
     and returns (its result, its tok/s text, the cores other processes used); `peak()` measures the matmul peak
-    (FLOP/s), taken 3 times first and then just before and after every round, and each round is judged by
-    `judge_round` against the best so far and printed. Returns [(result, peak before)] over the counted rounds
+    (FLOP/s), taken 3 times first and then just before and after every round. Every round is judged by
+    `judge_round` against the best peak of the run so far, and judged again after each new round: a round that
+    looked at full speed stops counting once a later peak shows the machine was slowed down then (the host's
+    slowdowns last minutes, longer than the 3 first measurements). Each round is printed with its verdict when it
+    ran; rounds left out afterwards are listed at the end. Returns [(result, peak before)] over the counted rounds
     (every round, flagged, when fewer counted) and {"quiet": counted, "run": run, "others": cores per round}."""
     best = max(peak() for _ in range(3))
-    run: list[tuple[object, float, str]] = []  # per round: result, peak before, why it does not count
-    others: list[float | None] = []
-    while sum(not why for *_, why in run) < rounds and len(run) < max_factor * rounds:
+    run: list[tuple[object, float, float, float | None, str]] = []  # result, peaks before / after, others, verdict
+    verdicts = lambda: [judge_round(o, (b, a), best, max_noise, min_peak) for _, b, a, o, _ in run]  # noqa: E731
+    while sum(not why for why in verdicts()) < rounds and len(run) < max_factor * rounds:
         before = peak()
         result, text, other_cores = play(len(run))
         after = peak()
         best = max(best, before, after)
         why = judge_round(other_cores, (before, after), best, max_noise, min_peak)
-        run.append((result, before, why))
-        others.append(other_cores)
+        run.append((result, before, after, other_cores, why))
         noise = "n/a" if other_cores is None else f"{other_cores:.2f}"
         print(f"  round {len(run)}: {text}; matmul peak {before / 1e9:.1f} / {after / 1e9:.1f} GFLOP/s (before / "
               f"after); other processes {noise} cores" + (f"  ({why}: not counted)" if why else ""), flush=True)
-    counted = [(result, before) for result, before, why in run if not why]
+    final = verdicts()
+    later = [str(i + 1) for i, (why, r) in enumerate(zip(final, run)) if why and not r[4]]
+    if later:
+        print(f"  rounds {', '.join(later)} not counted after all: a later peak put the run's best at "
+              f"{best / 1e9:.1f} GFLOP/s, and theirs fell below {min_peak} x that", flush=True)
+    counted = [(r[0], r[1]) for why, r in zip(final, run) if not why]
+    noise = {"quiet": len(counted), "run": len(run), "others": [r[3] for r in run]}
     if len(counted) < rounds:
         print(f"  only {len(counted)} of {len(run)} rounds were quiet and at full speed: ALL counted, noisy")
-        return [(result, before) for result, before, _ in run], {"quiet": len(counted), "run": len(run),
-                                                                 "others": others}
-    return counted, {"quiet": len(counted), "run": len(run), "others": others}
+        return [(r[0], r[1]) for r in run], noise
+    return counted, noise
 
 
 def ratio_intervals(base: list[float], other: list[float], level: float = 0.95, resamples: int = 2000,

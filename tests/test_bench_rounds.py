@@ -72,6 +72,17 @@ def test_slow_rounds_are_left_out(monkeypatch, arch):
     assert noise["quiet"] == 3 and noise["run"] == 5
 
 
+def test_rounds_slowed_by_the_runs_later_best_are_left_out_afterwards(monkeypatch, arch, capsys):
+    # rounds 1-2 look at full speed against the first peaks (100); round 3's 130-131 shows they were slowed
+    # (101 < 0.85 x 131), so they stop counting and two more rounds run
+    scripted(monkeypatch, arch, [0.0] * 5, [(100.0, 100.0), (101.0, 100.0), (130.0, 131.0), (132.0, 130.0),
+                                            (133.0, 130.0)])
+    _, _, peaks, noise = run(arch, rounds=3)
+    assert peaks == [130.0, 132.0, 133.0]
+    assert noise["quiet"] == 3 and noise["run"] == 5
+    assert "rounds 1, 2 not counted after all" in capsys.readouterr().out
+
+
 def test_too_few_quiet_rounds_count_every_round(monkeypatch, arch):
     scripted(monkeypatch, arch, [0.5, 0.0, 0.5, 0.5, 0.5, 0.5])
     wall, _, peaks, noise = run(arch, rounds=2)          # at most 3 x 2 rounds run; only one was quiet
