@@ -10,10 +10,11 @@ cross-entropy + backward + AdamW step (+ zero_grad). Each side's loss is its fra
 
 The models live in one process and are timed in alternating rounds (order reversed every round, so drift hits
 both alike). Reported: median tok/s over the rounds, the ratio of the medians and the median of the per-round
-ratios, each with a 95% bootstrap interval (whole rounds resampled, `machine_load.ratio_intervals`). A round is not counted when other processes kept more than `--max-noise` cores busy (from /proc) or
-when the fp32 matmul peak measured just before or after it fell below `--min-peak` x the run's best (the host
-slowing this VM down, which /proc does not show); rounds go on until `--rounds` counted ones are in, and every
-round run is printed. The machine is shared, so only same-run ratios mean anything.
+ratios, each with a 95% bootstrap interval (whole rounds resampled, `machine_load.ratio_intervals`). A round is
+not counted when other processes kept more than `--max-noise` cores busy (from /proc) or when the fp32 matmul
+peak measured just before or after it fell below `--min-peak` x the run's best (the host slowing this VM down,
+which /proc does not show); rounds go on until `--rounds` counted ones are in, and every round run is printed.
+The machine is shared, so only same-run ratios mean anything.
 
     .venv/bin/python benchmarks/mamba2_throughput.py                 # fp32, B4 x T512, width 512 x 4 layers
     .venv/bin/python benchmarks/mamba2_throughput.py --torch_chunk 256 # our scan at ArchScale's chunk length
@@ -194,8 +195,8 @@ def main(argv=None) -> None:
               f"ratios)")
         if len(rows) > 1:
             iv = ratio_intervals([row["ours"] for row in rows], [row["hf"] for row in rows])
-            print(f"95% bootstrap intervals over the {len(rows)} rounds used (2,000 resamples of whole rounds, seed 0): "
-                  f"ratio of medians {iv['medians'][0]:.3f}-{iv['medians'][1]:.3f}x, per-round "
+            print(f"95% bootstrap intervals over the {len(rows)} rounds used (2,000 resamples of whole rounds, "
+                  f"seed 0): ratio of medians {iv['medians'][0]:.3f}-{iv['medians'][1]:.3f}x, per-round "
                   f"{iv['per_round'][0]:.3f}-{iv['per_round'][1]:.3f}x")
     print(f"rounds counted: {len(rows)}; load avg at end {_loadavg()}")
     if args.breakdown:
