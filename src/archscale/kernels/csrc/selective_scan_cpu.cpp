@@ -63,7 +63,8 @@ Dims dims_of(const torch::Tensor& u, const torch::Tensor& A, int64_t block) {
   return s;
 }
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }  // 0 / 1 at the clamps, as expf
+// 0 / 1 at the clamps, as expf; always inlined, as fast_exp (cpu_common.h)
+inline __attribute__((always_inline)) float sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
 // d silu(x) / dx, given sg = sigmoid(x): the gate's backward in the scan and the conv's
 inline float dsilu(float x, float sg) { return sg * (1.0f + x * (1.0f - sg)); }
 
@@ -370,6 +371,101 @@ inline void conv_row(const ConvDims& s, const float* x, const float* w, const fl
   }
 }
 
+// K = 4 (every mixer's default) with all four taps in reach: the rows' taps in one pass over the channels, the
+// activation (forward) or its gradient and the weight gradients (backward) in the same pass. The general loops
+// above pass over the output row once per tap (4 reads and writes of it); these read each input once.
+constexpr int64_t K4 = 4;
+
+// the taps' rows, newest first: x[j] is the input j steps back from output (bi, t)
+struct Taps4 {
+  const float* x[K4];
+  Taps4(const ConvDims& s, const float* px, int64_t bi, int64_t t) {
+    for (int64_t j = 0; j < K4; ++j) x[j] = s.row(px, bi, s.P + t - j);
+  }
+};
+
+template <bool SILU, bool BIAS>
+void conv_row4(const Taps4& tp, const float* w, const float* bias, int64_t d, float* __restrict__ out) {
+  const float *x0 = tp.x[0], *x1 = tp.x[1], *x2 = tp.x[2], *x3 = tp.x[3];
+  const float *w0 = w + 3 * d, *w1 = w + 2 * d, *w2 = w + d, *w3 = w;  // tap j's weight is wT[K-1-j]
+#pragma omp simd
+  for (int64_t c = 0; c < d; ++c) out[c] = w0[c] * x0[c] + w1[c] * x1[c] + w2[c] * x2[c] + w3[c] * x3[c];
+  if (BIAS) {
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) out[c] += bias[c];
+  }
+  if (SILU) {  // its own loop (the row is in L1): in the taps' loop gcc did not vectorise the exp
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) out[c] *= sigmoid(out[c]);
+  }
+}
+
+// gpre = g * silu'(pre) into gp, and the row's part of the weight (K rows, then the bias) gradients into gw
+template <bool SILU, bool BIAS>
+void conv_row4_backward(const Taps4& tp, const float* w, const float* bias, const float* g, int64_t d,
+                        float* __restrict__ gp, float* __restrict__ gw) {
+  const float *x0 = tp.x[0], *x1 = tp.x[1], *x2 = tp.x[2], *x3 = tp.x[3];
+  const float *w0 = w + 3 * d, *w1 = w + 2 * d, *w2 = w + d, *w3 = w;
+  float *gw0 = gw + 3 * d, *gw1 = gw + 2 * d, *gw2 = gw + d, *gw3 = gw, *gb = gw + K4 * d;
+  if (SILU) {  // the pre-activation again, then its gradient in place (separate loops: see conv_row4)
+    conv_row4<false, BIAS>(tp, w, bias, d, gp);
+#pragma omp simd
+    for (int64_t c = 0; c < d; ++c) gp[c] = g[c] * dsilu(gp[c], sigmoid(gp[c]));
+  } else {
+    std::copy(g, g + d, gp);
+  }
+#pragma omp simd
+  for (int64_t c = 0; c < d; ++c) {
+    const float q = gp[c];
+    gw0[c] += q * x0[c];
+    gw1[c] += q * x1[c];
+    gw2[c] += q * x2[c];
+    gw3[c] += q * x3[c];
+    if (BIAS) gb[c] += q;
+  }
+}
+
+// one forward row (bi, t): the fused pass when it applies, else the general one
+inline void conv_out_row(const ConvDims& s, const float* px, const float* pw, const float* pb, bool silu,
+                         int64_t bi, int64_t t, float* o) {
+  if (s.K == K4 && s.reach(bi, t) == K4 - 1) {
+    const Taps4 tp(s, px, bi, t);
+    if (silu) pb ? conv_row4<true, true>(tp, pw, pb, s.d, o) : conv_row4<true, false>(tp, pw, pb, s.d, o);
+    else pb ? conv_row4<false, true>(tp, pw, pb, s.d, o) : conv_row4<false, false>(tp, pw, pb, s.d, o);
+    return;
+  }
+  conv_row(s, px, pw, pb, bi, t, o);
+  if (!silu) return;
+#pragma omp simd
+  for (int64_t c = 0; c < s.d; ++c) o[c] *= sigmoid(o[c]);
+}
+
+// input row xt's gradient: gx[xt] = sum_j w[K-1-j] gpre[xt - P + j], over the outputs that reach it (one pass
+// when all K = 4 of them do)
+inline void conv_in_grad_row(const ConvDims& s, const float* pgp, const float* pw, int64_t bi, int64_t xt,
+                             float* __restrict__ o) {
+  const int64_t t0 = xt - s.P;
+  bool all = s.K == K4 && t0 >= 0 && t0 + K4 - 1 < s.L;
+  for (int64_t j = 0; all && j < K4; ++j) all = s.reach(bi, t0 + j) >= j;
+  if (all) {
+    const float* g0 = pgp + (bi * s.L + t0) * s.d;
+    const float *g1 = g0 + s.d, *g2 = g0 + 2 * s.d, *g3 = g0 + 3 * s.d;
+    const float *w0 = pw + 3 * s.d, *w1 = pw + 2 * s.d, *w2 = pw + s.d, *w3 = pw;
+#pragma omp simd
+    for (int64_t c = 0; c < s.d; ++c) o[c] = w0[c] * g0[c] + w1[c] * g1[c] + w2[c] * g2[c] + w3[c] * g3[c];
+    return;
+  }
+  std::fill(o, o + s.d, 0.0f);
+  for (int64_t j = 0; j < s.K; ++j) {
+    const int64_t t = t0 + j;
+    if (t < 0 || t >= s.L || j > s.reach(bi, t)) continue;
+    const float* __restrict__ gp = pgp + (bi * s.L + t) * s.d;
+    const float* __restrict__ wk = pw + (s.K - 1 - j) * s.d;
+#pragma omp simd
+    for (int64_t c = 0; c < s.d; ++c) o[c] += wk[c] * gp[c];
+  }
+}
+
 }  // namespace
 
 torch::Tensor conv_silu_forward(torch::Tensor x, torch::Tensor wT, torch::Tensor bias, int64_t prefix,
@@ -380,13 +476,7 @@ torch::Tensor conv_silu_forward(torch::Tensor x, torch::Tensor wT, torch::Tensor
   const float* pb = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* po = out.data_ptr<float>();
   parallel_channels(s.b * s.L, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* __restrict__ o = po + r * s.d;
-      conv_row(s, px, pw, pb, r / s.L, r % s.L, o);
-      if (!silu) continue;
-#pragma omp simd
-      for (int64_t c = 0; c < s.d; ++c) o[c] *= sigmoid(o[c]);
-    }
+    for (int64_t r = begin; r < end; ++r) conv_out_row(s, px, pw, pb, silu, r / s.L, r % s.L, po + r * s.d);
   });
   return out;
 }
@@ -410,6 +500,14 @@ std::vector<torch::Tensor> conv_silu_backward(torch::Tensor gout, torch::Tensor 
       const int64_t bi = r / s.L, t = r % s.L;
       float* __restrict__ gp = pgp + r * s.d;
       const float* __restrict__ g = pg + bi * gsb + t * gst;
+      if (s.K == K4 && s.reach(bi, t) == K4 - 1) {
+        const Taps4 tp(s, px, bi, t);
+        if (silu) pb ? conv_row4_backward<true, true>(tp, pw, pb, g, s.d, gp, gwt)
+                     : conv_row4_backward<true, false>(tp, pw, pb, g, s.d, gp, gwt);
+        else pb ? conv_row4_backward<false, true>(tp, pw, pb, g, s.d, gp, gwt)
+                : conv_row4_backward<false, false>(tp, pw, pb, g, s.d, gp, gwt);
+        continue;
+      }
       if (silu) {
         conv_row(s, px, pw, pb, bi, t, gp);
 #pragma omp simd
@@ -430,19 +528,7 @@ std::vector<torch::Tensor> conv_silu_backward(torch::Tensor gout, torch::Tensor 
   });
   const int64_t rows = s.P + s.L;
   parallel_channels(s.b * rows, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {  // gx[xt] = sum_j w[K-1-j] gpre[xt - P + j], over outputs that reach it
-      const int64_t bi = r / rows, xt = r % rows;
-      float* __restrict__ o = pgx + r * s.d;
-      std::fill(o, o + s.d, 0.0f);
-      for (int64_t j = 0; j < s.K; ++j) {
-        const int64_t t = xt - s.P + j;
-        if (t < 0 || t >= s.L || j > s.reach(bi, t)) continue;
-        const float* __restrict__ gp = pgp + (bi * s.L + t) * s.d;
-        const float* __restrict__ wk = pw + (s.K - 1 - j) * s.d;
-#pragma omp simd
-        for (int64_t c = 0; c < s.d; ++c) o[c] += wk[c] * gp[c];
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) conv_in_grad_row(s, pgp, pw, r / rows, r % rows, pgx + r * s.d);
   });
   auto gw = gw_part.sum(0);
   // copies, not views of gw: a custom op's outputs may not alias one another
