@@ -10,8 +10,9 @@ steps; taps reaching before x read 0. ``doc_ids`` (b, t) zeroes the taps that re
 Implementations (``impl=``, or ``ARCHSCALE_CONV_IMPL`` for auto):
 
 - ``"cpu"``: the fused C++ kernel of `kernels/scan_cpu.py` (the module Mamba-1's scan and conv are built in):
-  one pass over x each way, threaded over rows, document bounds as a per-step tap count. The Python path below
-  spent ~90 ms of a ~2.2 s GDNY d4 training step in its per-tap passes (docs/BENCHMARKS.md).
+  one pass over x each way, threaded over rows, document bounds as a per-step tap count; with K = 4 (the
+  mixers' default) all of an output row's taps in one pass over its channels. The Python path below spent ~90 ms
+  of a ~2.2 s GDNY d4 training step in its per-tap passes (docs/BENCHMARKS.md).
 - ``"torch"`` (the reference; CUDA and wherever the kernel did not build): K multiply-adds into one buffer and
   the activation in place; the backward is one silu backward, K multiply-adds for dx and K dot products for dw.
   Why not ``F.conv1d``: PyTorch's CPU depthwise-conv backward (``aten::convolution_backward``) took a quarter of
