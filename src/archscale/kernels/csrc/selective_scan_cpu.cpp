@@ -394,7 +394,7 @@ void conv_row4(const Taps4& tp, const float* w, const float* bias, int64_t d, fl
 #pragma omp simd
     for (int64_t c = 0; c < d; ++c) out[c] += bias[c];
   }
-  if (SILU) {  // its own loop (the row is in L1): in the taps' loop gcc did not vectorise the exp
+  if (SILU) {  // its own pass over the row (still in L1), as in the general path
 #pragma omp simd
     for (int64_t c = 0; c < d; ++c) out[c] *= sigmoid(out[c]);
   }
@@ -407,7 +407,7 @@ void conv_row4_backward(const Taps4& tp, const float* w, const float* bias, cons
   const float *x0 = tp.x[0], *x1 = tp.x[1], *x2 = tp.x[2], *x3 = tp.x[3];
   const float *w0 = w + 3 * d, *w1 = w + 2 * d, *w2 = w + d, *w3 = w;
   float *gw0 = gw + 3 * d, *gw1 = gw + 2 * d, *gw2 = gw + d, *gw3 = gw, *gb = gw + K4 * d;
-  if (SILU) {  // the pre-activation again, then its gradient in place (separate loops: see conv_row4)
+  if (SILU) {  // the pre-activation again, then its gradient in place
     conv_row4<false, BIAS>(tp, w, bias, d, gp);
 #pragma omp simd
     for (int64_t c = 0; c < d; ++c) gp[c] = g[c] * dsilu(gp[c], sigmoid(gp[c]));
