@@ -129,15 +129,15 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         if doc_ids is not None and state is not None:
             raise ValueError("doc_ids is for training-style forwards, not for decoding with a state")
-        qkv = self._qkv(x)  # (B, T, C)
+        qkv, a, b = self._qkvab(x)  # (B, T, C), (B, T, heads) twice
         qkv = self._conv(qkv, state, doc_ids)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = (t.reshape(B, T, self.num_heads, self.head_k_dim) for t in (q, k))
         v = v.reshape(B, T, self.num_heads, self.head_v_dim)
-        beta = self.b_proj(x).float().sigmoid()
+        beta = b.float().sigmoid()
         if self.allow_neg_eigval:
             beta = beta * 2.0
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if state is not None and T == 1:
             o = gated_delta_step(state.ssm, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])[:, None]
         else:
@@ -154,13 +154,15 @@ class GatedDeltaNet(nn.Module):
         memory = o if self.gmu_save else None
         return self.o_proj(self.norm(o, self.g_proj(x))), memory
 
-    def _qkv(self, x: Tensor) -> Tensor:
-        """q|k|v in one product (the three weights side by side: one gemm each way); weights that are tensor
-        subclasses (a quantized export's) cannot be concatenated, so they run as three projections."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
+    def _qkvab(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q|k|v, a and b in one product (the five weights side by side: one gemm each way; a and b, one column
+        per head, on their own ran six gemms a layer at under 20 GFLOP/s). Weights that are tensor subclasses (a
+        quantized export's) cannot be concatenated, so they run as five projections."""
+        projs = (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj)
         if all(type(p.weight) in (nn.Parameter, Tensor) for p in projs):
-            return F.linear(x, torch.cat([p.weight for p in projs]))
-        return torch.cat([p(x) for p in projs], dim=-1)
+            out = F.linear(x, torch.cat([p.weight for p in projs]))
+            return out.split([2 * self.key_dim + self.value_dim, self.num_heads, self.num_heads], dim=-1)
+        return torch.cat([p(x) for p in projs[:3]], dim=-1), self.a_proj(x), self.b_proj(x)
 
     def _weights(self, dtype: torch.dtype) -> Tensor:
         """The three depthwise conv kernels stacked like the q|k|v channels: (2 key_dim + value_dim, taps)."""
@@ -221,8 +223,8 @@ def gdn_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float]:
 
 
 def gdn_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
-    """Per token: the input cast once per projection (6 d in the activation dtype: autocast does not share casts of
-    activations); per q|k|v channel the projections, conv and silu outputs and the kernel's fp32 l2-normed inputs
+    """Per token: the input cast once per product (q|k|v|a|b and g: 2 d in the activation dtype; autocast does not
+    share casts of activations); per q|k|v channel the projections, conv and silu outputs and the kernel's fp32 l2-normed inputs
     and factors (4 elements in the activation dtype + 17 B fp32, measured); per head the chunked kernel's fp32
     chunk-by-chunk products (C per token, 24.5 B each; C = the chunk length at this sequence length) and its fp32
     (K, V) state at every chunk start (4 K V / C per token); on CPU, 12 B less per value channel: the gated norm's
@@ -236,7 +238,7 @@ def gdn_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
     C = min(opts.chunk_size, 1 << (max(env.seq_len, 1) - 1).bit_length())
     channels = 2 * H * K + value_dim
     norm_kernel = 12 * value_dim if env.device == "cpu" else 0
-    return {"gdn_inputs": env.act_bytes * 6 * config.n_embd, "gdn": (env.act_bytes * 4 + 17) * channels - norm_kernel,
+    return {"gdn_inputs": env.act_bytes * 2 * config.n_embd, "gdn": (env.act_bytes * 4 + 17) * channels - norm_kernel,
             "gdn_chunks": 24.5 * H * C, "gdn_states": 4 * H * K * V / C}
 
 
