@@ -27,11 +27,16 @@ def make_inputs(b, t, h, K, V, *, seed=0, gate=1.0, dtype=torch.float32):
             "h0": r(b, h, K, V)}
 
 
-@pytest.fixture(params=["chunked", "cpu"])
-def fast(request):
-    """The impl under test: the chunked torch path, or the same with its loops over chunks in C++ ("cpu")."""
-    if request.param == "cpu" and not scan_cpu.available():
+@pytest.fixture(params=["chunked", "cpu", "cpu-torch-factors"])
+def fast(request, monkeypatch):
+    """The impl under test: the chunked torch path, or the same with its loops over chunks in C++ ("cpu": without
+    document masks the per-chunk factors and their gradients are made in the C++ loops too; "cpu-torch-factors":
+    they stay in torch, as they do with document masks)."""
+    if request.param != "chunked" and not scan_cpu.available():
         pytest.skip(f"the C++ CPU module did not build: {scan_cpu.unavailable_reason()}")
+    if request.param == "cpu-torch-factors":
+        monkeypatch.setattr(gd, "FUSE_FACTORS", False)
+        return "cpu"
     return request.param
 
 

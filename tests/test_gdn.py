@@ -279,17 +279,22 @@ def test_flops_match_flop_counter(T, chunk):
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured, terms)
 
 
+@pytest.mark.parametrize("impl", ["chunked", "cpu"])
 @pytest.mark.parametrize("T,chunk", [(100, 16), (64, 64), (37, 16)])
-def test_scan_flops_match_flop_counter_on_the_kernel(T, chunk):
+def test_scan_flops_match_flop_counter_on_the_kernel(T, chunk, impl):
     """The "scan" term alone against the counter on the chunked kernel's forward, at head widths above the chunk
-    (where the state products dominate): within 1%. Dropping any one product's FLOPs fails it."""
+    (where the state products dominate): within 1%; on the torch path (aten's products) and on the C++ loops
+    (their registered FLOPs, factors included). Dropping any one product's FLOPs fails it."""
+    from archscale.kernels import scan_cpu
     from archscale.kernels.gated_delta import gated_delta_rule
+    if impl == "cpu" and not scan_cpu.available():
+        pytest.skip(f"the C++ CPU module did not build: {scan_cpu.unavailable_reason()}")
     cfg = ModelConfig.from_arch("mambay", 4, ar=8, mixer_options={"gdn": {"head_dim": 32, "num_heads": 2,
                                                                           "chunk_size": chunk}})
     H, K, V = 2, 32, 64                                                     # expand_v 2
     x = [torch.randn(1, T, H, d) for d in (K, K, V)] + [-torch.rand(1, T, H), torch.rand(1, T, H)]
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        gated_delta_rule(*x, impl="chunked", chunk_size=chunk)
+        gated_delta_rule(*x, impl=impl, chunk_size=chunk)
     assert SPEC.flops(cfg, "gdn", T)["scan"] * T == pytest.approx(counter.get_total_flops(), rel=0.01)
 
 

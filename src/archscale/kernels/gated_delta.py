@@ -29,8 +29,10 @@ Implementations (``impl=``):
   (C, C) factors, `_scan` / `_scan_backward` for the loops), and checked against autograd through `"ref"`.
 - ``"cpu"``: ``"chunked"`` with its two loops over chunks (`_scan`, `_scan_backward`) as C++ on CPU
   (`csrc/gated_delta_cpu.cpp` in `kernels/scan_cpu.py`'s module): one task per (batch row, head) walks the chunks
-  with its (K, V) state in cache, the products single-threaded gemms on the chunk's blocks; the factors and the
-  autograd Function stay the torch path's. Checked against ``"ref"`` by the same tests as ``"chunked"``.
+  with its (K, V) state in cache, the products single-threaded gemms on the chunk's blocks. Without document
+  masks the loops also make each chunk's factors and their gradients (`FUSE_FACTORS`), while the chunk's keys
+  are in cache; with them the factors stay the torch path's. The autograd Function is the torch path's.
+  Checked against ``"ref"`` by the same tests as ``"chunked"``, with the factors in C++ and in torch.
 - ``"fla"``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (flash-linear-attention, CUDA tensors). With
   `reset` the batch is flattened into one sequence with ``cu_seqlens`` (fla's varlen form); a call with both
   `reset` and `initial_state` falls back to ``"chunked"``.
@@ -50,6 +52,9 @@ from archscale.kernels.dispatch import Dispatch, Impl, cuda_impl
 from archscale.kernels.selective_scan import ENV_VAR
 
 CHUNK = 64  # chunked path: steps per chunk (fla's and transformers' choice; see benchmarks/gdn_throughput.py)
+# impl "cpu" without document masks: the per-chunk factors and their gradients made inside the C++ chunk loops
+# (each chunk's while its keys are in cache) instead of batched in torch; False keeps them in torch (tests run both)
+FUSE_FACTORS = True
 
 _FLA: dict[str, object] = {}
 
@@ -249,8 +254,13 @@ class _ChunkedGatedDelta(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kq, v, g, beta, h0, same, fresh, scale, need_last, fused):
-        f = _factors(kq, g, beta, same, fresh, scale)
-        o, states, kqS, u = (_scan_cpu if fused else _scan)(kq, v, f, h0, scale, need_last)
+        ctx.with_factors = fused and same is None and FUSE_FACTORS
+        if ctx.with_factors:
+            o, states, kqS, u, *f = _chunk_cpu(kq, v, g, beta, h0, scale, need_last)
+            f.insert(3, kq.new_zeros(0))                                     # sc: none without documents
+        else:
+            f = _factors(kq, g, beta, same, fresh, scale)
+            o, states, kqS, u = (_scan_cpu if fused else _scan)(kq, v, f, h0, scale, need_last)
         ctx.save_for_backward(kq, v, beta, states, kqS, u, *f)
         ctx.scale, ctx.zero_start, ctx.need_last, ctx.fused = scale, h0 is None, need_last, fused
         return o, (states[-1].clone() if need_last else states.new_zeros(()))
@@ -260,6 +270,10 @@ class _ChunkedGatedDelta(torch.autograd.Function):
     def backward(ctx, do, dlast):
         kq, v, beta, states, kqS, u, *f = ctx.saved_tensors
         want_dh0 = not ctx.zero_start and ctx.needs_input_grad[4]
+        if ctx.with_factors:
+            dkq, dv, dg, dbeta, dh0 = _chunk_backward_cpu(ctx, kq, v, beta, f, states, kqS, u, do,
+                                                          dlast if ctx.need_last else None, want_dh0)
+            return dkq, dv, dg, dbeta, dh0, None, None, None, None, None
         scan_backward = _scan_backward_cpu if ctx.fused else _scan_backward
         dkq, dv, dlog, dTb, dA, dh0 = scan_backward(ctx, kq, v, f, states, kqS, u, do,
                                                     dlast if ctx.need_last else None, want_dh0)
@@ -436,6 +450,27 @@ def _scan_backward_cpu(ctx, kq, v, f, states, kqS, u, do, dlast, want_dh0):
     dkq, dv, gG, gGe, ga, dTb, dA, dh0 = scan_cpu.gated_delta_scan_backward(
         kq, *_loop_inputs(v, f), states, kqS, u, do, dlast, ctx.scale, ctx.zero_start, want_dh0)
     return dkq, dv, (gG, gGe, ga), dTb, dA, (dh0 if want_dh0 else None)
+
+
+def _chunk_cpu(kq: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, scale: float, need_last: bool):
+    """`_factors` and `_scan` in one pass on the C++ module (no document masks): o, states, kqS, u and the
+    factors (P, M, T, eG, eGe, a, Tb, A), each chunk's made while its keys are in cache."""
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    empty = kq.new_zeros(0)
+    return scan_cpu.gated_delta_chunk(kq, v, g.contiguous(), beta.contiguous(),
+                                      empty if h0 is None else h0.contiguous(), scale, need_last)
+
+
+def _chunk_backward_cpu(ctx, kq, v, beta, f, states, kqS, u, do, dlast, want_dh0):
+    """`_scan_backward` and `_factors_backward` in one pass on the C++ module: (dkq, dv, dg, dbeta, dh0)."""
+    P, M, T, _, eG, eGe, a, Tb, A = f
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    do = torch.zeros_like(v) if do is None else (do if do.stride(-1) == 1 else do.contiguous())
+    dlast = kq.new_zeros(0) if dlast is None else dlast.contiguous()
+    dkq, dv, dg, dbeta, dh0 = scan_cpu.gated_delta_chunk_backward(
+        kq, v, beta.contiguous(), P, M, T, eG, eGe, a, Tb, A, states, kqS, u, do, dlast, ctx.scale, ctx.zero_start,
+        want_dh0)
+    return dkq, dv, dg, dbeta, (dh0 if want_dh0 else None)
 
 
 def _unit_lower_inverse(L: Tensor) -> Tensor:

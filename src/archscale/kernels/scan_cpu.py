@@ -488,6 +488,43 @@ def _(kq, v, eG, eGe, a, Tb, A, states, kqS, u, do, dlast, scale, zero_start, wa
             torch.empty_like(a), torch.empty_like(Tb), torch.empty_like(A), dh0]
 
 
+@torch.library.custom_op("archscale::gated_delta_chunk_fwd", mutates_args=())
+def gated_delta_chunk(kq: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor, scale: float,
+                      need_last: bool) -> list[Tensor]:
+    """`gated_delta._factors` and `_scan` in one C++ pass (no document masks): [o, states, kqS, u, P, M, T, eG,
+    eGe, a, Tb, A]. g, beta chunk-major (n, b, h, C), contiguous."""
+    return list(_load().gated_delta_chunk_forward(kq, v, g, beta, h0, scale, need_last, torch.get_num_threads()))
+
+
+@gated_delta_chunk.register_fake
+def _(kq, v, g, beta, h0, scale, need_last):
+    n, b, h, C2, K = kq.shape
+    C, V = C2 // 2, v.shape[-1]
+    square = kq.new_empty(n, b, h, C, C)
+    return [v.new_empty(b, n * C, h, V), kq.new_empty(n + 1, b, h, K, V), kq.new_empty(n, b, h, C2, V),
+            kq.new_empty(n, b, h, C, V), kq.new_empty(n, b, h, C2, C), square, torch.empty_like(square),
+            torch.empty_like(g), torch.empty_like(g), kq.new_empty(n, b, h), torch.empty_like(square),
+            torch.empty_like(square)]
+
+
+@torch.library.custom_op("archscale::gated_delta_chunk_bwd", mutates_args=())
+def gated_delta_chunk_backward(kq: Tensor, v: Tensor, beta: Tensor, P: Tensor, M: Tensor, T: Tensor,
+                               eG: Tensor, eGe: Tensor, a: Tensor, Tb: Tensor, A: Tensor, states: Tensor,
+                               kqS: Tensor, u: Tensor, do: Tensor, dlast: Tensor, scale: float, zero_start: bool,
+                               want_dh0: bool) -> list[Tensor]:
+    """`gated_delta._scan_backward` and `_factors_backward` in one C++ pass: [dkq, dv, dg, dbeta, dh0 (empty
+    unless want_dh0)], dg and dbeta chunk-major."""
+    return list(_load().gated_delta_chunk_backward(kq, v, beta, P, M, T, eG, eGe, a, Tb, A, states, kqS, u, do,
+                                                   dlast, scale, zero_start, want_dh0, torch.get_num_threads()))
+
+
+@gated_delta_chunk_backward.register_fake
+def _(kq, v, beta, P, M, T, eG, eGe, a, Tb, A, states, kqS, u, do, dlast, scale, zero_start, want_dh0):
+    n, b, h, C2, K = kq.shape
+    dh0 = kq.new_empty(b, h, K, v.shape[-1]) if want_dh0 else kq.new_empty(0)
+    return [torch.empty_like(kq), v.new_empty(v.shape), torch.empty_like(beta), torch.empty_like(beta), dh0]
+
+
 def _gated_delta_flops(kq_shape, v_shape, has_h0: bool, need_last: bool) -> int:
     """The torch loop's products (`gated_delta._scan`): per chunk and (row, head) [k; q] S (skipped for the
     first chunk without h0), Tb z and A u, and the state write k^T (eGe u) (skipped for the last chunk unless
@@ -522,3 +559,29 @@ def _(kq_shape, v_shape, eG_shape, eGe_shape, a_shape, Tb_shape, A_shape, h0_sha
 def _(kq_shape, v_shape, eG_shape, eGe_shape, a_shape, Tb_shape, A_shape, states_shape, kqS_shape, u_shape,
       do_shape, dlast_shape, scale, zero_start, want_dh0, *args, **kwargs):
     return _gated_delta_backward_flops(kq_shape, v_shape, math.prod(dlast_shape) > 0, zero_start, want_dh0)
+
+
+def _factor_flops(kq_shape) -> int:
+    """`gated_delta._factors`' product: [k; q] k^T per chunk and (row, head)."""
+    n, b, h, C2, K = kq_shape
+    return b * h * n * 2 * C2 * (C2 // 2) * K
+
+
+def _factor_backward_flops(kq_shape) -> int:
+    """`gated_delta._factors_backward`'s products: T^T X T^T (two C^3 products), dP k and dP^T kq."""
+    n, b, h, C2, K = kq_shape
+    C = C2 // 2
+    return b * h * n * (2 * 2 * C ** 3 + 2 * 2 * C2 * C * K)
+
+
+@register_flop_formula(torch.ops.archscale.gated_delta_chunk_fwd)
+def _(kq_shape, v_shape, g_shape, beta_shape, h0_shape, scale, need_last, *args, **kwargs):
+    return _factor_flops(kq_shape) + _gated_delta_flops(kq_shape, v_shape, math.prod(h0_shape) > 0, need_last)
+
+
+@register_flop_formula(torch.ops.archscale.gated_delta_chunk_bwd)
+def _(kq_shape, v_shape, beta_shape, P_shape, M_shape, T_shape, eG_shape, eGe_shape, a_shape, Tb_shape,
+      A_shape, states_shape, kqS_shape, u_shape, do_shape, dlast_shape, scale, zero_start, want_dh0, *args,
+      **kwargs):
+    return _factor_backward_flops(kq_shape) + _gated_delta_backward_flops(
+        kq_shape, v_shape, math.prod(dlast_shape) > 0, zero_start, want_dh0)

@@ -1,7 +1,9 @@
 // The gated delta rule's chunk loop (Gated DeltaNet), fused on CPU: forward and backward of the products with
 // the state, the part of kernels/gated_delta.py's chunked form that is sequential over chunks (`_scan`,
-// `_scan_backward` there, whose docstrings give the maths; the per-chunk factors eG, eGe, a, Tb and A come in
-// from torch, batched over all chunks).
+// `_scan_backward` there, whose docstrings give the maths). The per-chunk factors eG, eGe, a, Tb and A either come
+// in from torch, batched over all chunks (gated_delta_scan_*: with document masks), or are made, and
+// differentiated, at the top and the end of each chunk's step (gated_delta_chunk_*: `_factors` and
+// `_factors_backward` there), while the chunk's keys are in cache: that took a GDNY step 1.8% shorter.
 //
 // The torch loop runs each step as one batched op over every (batch row, head): a (K, V) state per pair, 512 KB
 // at K = 256, V = 512, so the states of a batch (4 MB at B4 x 2 heads) leave cache between the ops of a chunk,
@@ -19,6 +21,7 @@
 
 namespace {
 
+using archscale_cpu::fast_exp;
 using archscale_cpu::mm;
 using archscale_cpu::parallel_channels;
 
@@ -69,14 +72,70 @@ inline void rows_axpy(int64_t C, int64_t V, const float* x, int64_t ldx, float f
   }
 }
 
-// One task's forward over all chunks (see the file comment for the layouts).
+// The per-chunk factors (kernels/gated_delta.py's `_factors`, without document masks), made in the chunk loop
+// while the chunk's keys are in cache. In: g, beta (n, b, h, C); out: P = [k k^T; q k^T] (n, b, h, 2C, C),
+// M, T (n, b, h, C, C) for the backward, and the loop's eG, eGe (n, b, h, C), a (n, b, h), Tb, A (n, b, h, C, C).
+struct Factors {
+  torch::Tensor g, beta, P, M, T, eG, eGe, a, Tb, A;
+};
+
+// G = the chunk's cumsum of g (in double, as torch's cumsum); M[i, j] = exp(G_i - G_j) for j <= i (exponent
+// clamped at -87 as there), else 0; eG = exp(G), eGe = exp(G_end - G), a = exp(G_end); T = (I + L)^-1 with
+// L = diag(beta) (k k^T * M) strictly lower, by forward substitution (row i of T = e_i - sum_{m < i} L[i, m]
+// T[m, :]; rows are 0 right of the diagonal); Tb = T diag(beta); A = scale (q k^T * M).
+void chunk_factors(const Dims& s, int64_t c, int64_t j, const float* kq_c, Factors& f, float scale,
+                   std::vector<float>& G) {
+  const int64_t C = s.C, C2 = s.C2();
+  const float* g = block(f.g, s, c, j, C);
+  const float* beta = block(f.beta, s, c, j, C);
+  float* P = block_mut(f.P, s, c, j, C2 * C);
+  float *M = block_mut(f.M, s, c, j, C * C), *T = block_mut(f.T, s, c, j, C * C);
+  float *Tb = block_mut(f.Tb, s, c, j, C * C), *A = block_mut(f.A, s, c, j, C * C);
+  float *eG = block_mut(f.eG, s, c, j, C), *eGe = block_mut(f.eGe, s, c, j, C);
+  mm(false, true, C2, C, s.K, kq_c, s.K, kq_c, s.K, 0.0f, P, C);
+  double acc = 0.0;
+  for (int64_t i = 0; i < C; ++i) G[i] = static_cast<float>(acc += g[i]);
+  for (int64_t i = 0; i < C; ++i) {
+    eG[i] = fast_exp(G[i]);
+    eGe[i] = fast_exp(G[C - 1] - G[i]);
+    const float Gi = G[i];
+    float* Mi = M + i * C;
+#pragma omp simd
+    for (int64_t x = 0; x < C; ++x) {
+      const float d = Gi - G[x];
+      Mi[x] = x <= i ? fast_exp(d < -87.0f ? -87.0f : d) : 0.0f;
+    }
+  }
+  *block_mut(f.a, s, c, j, 1) = eG[C - 1];
+  for (int64_t i = 0; i < C; ++i) {
+    float* Ti = T + i * C;
+    std::fill(Ti, Ti + C, 0.0f);
+    Ti[i] = 1.0f;
+    for (int64_t m = 0; m < i; ++m) {
+      const float l = beta[i] * (P[i * C + m] * M[i * C + m]);
+      const float* Tm = T + m * C;
+#pragma omp simd
+      for (int64_t x = 0; x <= m; ++x) Ti[x] -= l * Tm[x];
+    }
+#pragma omp simd
+    for (int64_t x = 0; x < C; ++x) {
+      Tb[i * C + x] = Ti[x] * beta[x];
+      A[i * C + x] = P[(C + i) * C + x] * M[i * C + x] * scale;
+    }
+  }
+}
+
+// One task's forward over all chunks (see the file comment for the layouts); with `f`, each chunk's factors
+// are made first (into f's tensors, the same ones eG ... A name).
 void forward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows& v, const Rows& o,
                   const torch::Tensor& eG, const torch::Tensor& eGe, const torch::Tensor& a,
                   const torch::Tensor& Tb, const torch::Tensor& A, torch::Tensor& states, torch::Tensor& kqS,
-                  torch::Tensor& u, bool has_h0, bool need_last, float scale, std::vector<float>& z) {
+                  torch::Tensor& u, bool has_h0, bool need_last, float scale, std::vector<float>& z,
+                  Factors* f, std::vector<float>& G) {
   const int64_t C = s.C, K = s.K, V = s.V, C2 = s.C2(), KV = K * V;
   for (int64_t c = 0; c < s.n; ++c) {
     const float* kq_c = block(kq, s, c, j, C2 * K);
+    if (f != nullptr) chunk_factors(s, c, j, kq_c, *f, scale, G);
     const float* S = block(states, s, c, j, KV);
     float* kqS_c = block_mut(kqS, s, c, j, C2 * V);
     float* u_c = block_mut(u, s, c, j, C * V);
@@ -107,12 +166,9 @@ void forward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows&
   }
 }
 
-}  // namespace
-
-std::vector<torch::Tensor> gated_delta_scan_forward(torch::Tensor kq, torch::Tensor v, torch::Tensor eG,
-                                                    torch::Tensor eGe, torch::Tensor a, torch::Tensor Tb,
-                                                    torch::Tensor A, torch::Tensor h0, double scale, bool need_last,
-                                                    int64_t threads) {
+std::vector<torch::Tensor> scan_forward(torch::Tensor kq, torch::Tensor v, torch::Tensor eG, torch::Tensor eGe,
+                                        torch::Tensor a, torch::Tensor Tb, torch::Tensor A, torch::Tensor h0,
+                                        double scale, bool need_last, int64_t threads, Factors* f) {
   const Dims s = dims_of(kq, v);
   auto opts = kq.options();
   auto o = torch::empty({s.b, s.n * s.C, s.h, s.V}, opts);
@@ -124,12 +180,38 @@ std::vector<torch::Tensor> gated_delta_scan_forward(torch::Tensor kq, torch::Ten
   else states[0].zero_();
   const Rows vr(v), orows(o);
   parallel_channels(s.bh(), static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
-    std::vector<float> z(s.C * s.V);
+    std::vector<float> z(s.C * s.V), G(s.C);
     for (int64_t j = begin; j < end; ++j)
       forward_task(s, j, kq, vr, orows, eG, eGe, a, Tb, A, states, kqS, u, has_h0, need_last,
-                   static_cast<float>(scale), z);
+                   static_cast<float>(scale), z, f, G);
   });
   return {o, states, kqS, u};
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> gated_delta_scan_forward(torch::Tensor kq, torch::Tensor v, torch::Tensor eG,
+                                                    torch::Tensor eGe, torch::Tensor a, torch::Tensor Tb,
+                                                    torch::Tensor A, torch::Tensor h0, double scale, bool need_last,
+                                                    int64_t threads) {
+  return scan_forward(kq, v, eG, eGe, a, Tb, A, h0, scale, need_last, threads, nullptr);
+}
+
+std::vector<torch::Tensor> gated_delta_chunk_forward(torch::Tensor kq, torch::Tensor v, torch::Tensor g,
+                                                     torch::Tensor beta, torch::Tensor h0, double scale,
+                                                     bool need_last, int64_t threads) {
+  const Dims s = dims_of(kq, v);
+  TORCH_CHECK(g.sizes() == torch::IntArrayRef({s.n, s.b, s.h, s.C}) && g.is_contiguous() && beta.sizes() == g.sizes()
+              && beta.is_contiguous() && g.scalar_type() == torch::kFloat && beta.scalar_type() == torch::kFloat,
+              "gated_delta_cpu: g and beta must be (n, b, h, C) contiguous float32");
+  auto opts = kq.options();
+  Factors f{g, beta, torch::empty({s.n, s.b, s.h, s.C2(), s.C}, opts), torch::empty({s.n, s.b, s.h, s.C, s.C}, opts),
+            torch::empty({s.n, s.b, s.h, s.C, s.C}, opts), torch::empty_like(g), torch::empty_like(g),
+            torch::empty({s.n, s.b, s.h}, opts), torch::empty({s.n, s.b, s.h, s.C, s.C}, opts),
+            torch::empty({s.n, s.b, s.h, s.C, s.C}, opts)};
+  auto out = scan_forward(kq, v, f.eG, f.eGe, f.a, f.Tb, f.A, h0, scale, need_last, threads, &f);
+  for (const auto& x : {f.P, f.M, f.T, f.eG, f.eGe, f.a, f.Tb, f.A}) out.push_back(x);
+  return out;
 }
 
 namespace {
@@ -139,18 +221,75 @@ struct Grads {
 };
 
 struct Scratch {
-  std::vector<float> du, kdS, ue, z, dz, dkqS, dS;
+  std::vector<float> du, kdS, ue, z, dz, dkqS, dS, X, Y, dP, sums;
+  std::vector<double> dG;
   Scratch(const Dims& s)
       : du(s.C * s.V), kdS(s.C * s.V), ue(s.C * s.V), z(s.C * s.V), dz(s.C * s.V), dkqS(s.C2() * s.V),
-        dS(s.K * s.V) {}
+        dS(s.K * s.V), X(s.C * s.C), Y(s.C * s.C), dP(s.C2() * s.C), sums(2 * s.C), dG(s.C) {}
 };
+
+// The gradients of the chunk's factors (kernels/gated_delta.py's `_factors_backward`, without document masks),
+// given the chunk loop's dTb, dA and dlog = (gG, gGe, ga) for chunk c: dbeta and dg (n, b, h, C) written, the keys'
+// and queries' part added into dkq_c. dL * M = -(T^T (dTb diag(beta)) T^T) strictly lower, times M; dP = [beta
+// dL * M; scale dA * M]; E = dM * M = beta (dL * M * k k^T) + dP_q * q k^T; dG = rows of E - columns of E + gG -
+// gGe (+ sum gGe + ga at the end); dg = dG's reverse cumsum; dkq += dP k, dk += dP^T kq.
+void chunk_factors_backward(const Dims& s, int64_t c, int64_t j, const float* kq_c, const Factors& f,
+                            const Grads& g, float* dkq_c, torch::Tensor& dg_t, torch::Tensor& dbeta_t, float scale,
+                            Scratch& w) {
+  const int64_t C = s.C, C2 = s.C2();
+  const float *beta = block(f.beta, s, c, j, C), *P = block(f.P, s, c, j, C2 * C);
+  const float *M = block(f.M, s, c, j, C * C), *T = block(f.T, s, c, j, C * C);
+  const float *dTb = block(g.dTb, s, c, j, C * C), *dA = block(g.dA, s, c, j, C * C);
+  const float *gG = block(g.gG, s, c, j, C), *gGe = block(g.gGe, s, c, j, C);
+  float *dg = block_mut(dg_t, s, c, j, C), *dbeta = block_mut(dbeta_t, s, c, j, C);
+  float *X = w.X.data(), *Y = w.Y.data(), *dP = w.dP.data(), *rows = w.sums.data(), *cols = rows + C;
+  std::fill(dbeta, dbeta + C, 0.0f);
+  for (int64_t i = 0; i < C; ++i)
+#pragma omp simd
+    for (int64_t x = 0; x < C; ++x) {
+      X[i * C + x] = dTb[i * C + x] * beta[x];
+      dbeta[x] += dTb[i * C + x] * T[i * C + x];
+    }
+  mm(true, false, C, C, C, T, C, X, C, 0.0f, Y, C);                    // T^T (dTb diag(beta))
+  mm(false, true, C, C, C, Y, C, T, C, 0.0f, X, C);                    // ... T^T
+  std::fill(cols, cols + C, 0.0f);
+  for (int64_t i = 0; i < C; ++i) {
+    float row = 0.0f, ek = 0.0f;
+    const float bi = beta[i];
+#pragma omp simd reduction(+ : row, ek)
+    for (int64_t x = 0; x < C; ++x) {
+      const float m = M[i * C + x];
+      const float dLM = x < i ? -X[i * C + x] * m : 0.0f;
+      const float dPq = dA[i * C + x] * m * scale;
+      dP[i * C + x] = dLM * bi;
+      dP[(C + i) * C + x] = dPq;
+      const float e = dLM * P[i * C + x];
+      ek += e;
+      const float E = e * bi + dPq * P[(C + i) * C + x];
+      row += E;
+      cols[x] += E;
+    }
+    dbeta[i] += ek;
+    rows[i] = row;
+  }
+  double tail = *block(g.ga, s, c, j, 1);
+  for (int64_t i = 0; i < C; ++i) tail += gGe[i];
+  double acc = 0.0;
+  for (int64_t i = C - 1; i >= 0; --i) {
+    acc += static_cast<double>(rows[i] - cols[i] + gG[i] - gGe[i]) + (i == C - 1 ? tail : 0.0);
+    dg[i] = static_cast<float>(acc);
+  }
+  mm(false, false, C2, s.K, C, dP, C, kq_c, s.K, 1.0f, dkq_c, s.K);     // dkq += dP k
+  mm(true, false, C, s.K, C2, dP, C, kq_c, s.K, 1.0f, dkq_c, s.K);      // dk += dP^T kq
+}
 
 // One task's backward over the chunks in reverse (kernels/gated_delta.py's `_scan_backward`).
 void backward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows& v, const Rows& dout,
                    const torch::Tensor& eG, const torch::Tensor& eGe, const torch::Tensor& a,
                    const torch::Tensor& Tb, const torch::Tensor& A, const torch::Tensor& states,
                    const torch::Tensor& kqS, const torch::Tensor& u, const float* dlast, Grads& g, const Rows& dv,
-                   bool zero_start, bool want_dh0, float scale, Scratch& w) {
+                   bool zero_start, bool want_dh0, float scale, Scratch& w, const Factors* f, torch::Tensor* dg,
+                   torch::Tensor* dbeta) {
   const int64_t C = s.C, K = s.K, V = s.V, C2 = s.C2(), KV = K * V;
   bool have_dS = dlast != nullptr;
   if (have_dS) std::copy(dlast + j * KV, dlast + (j + 1) * KV, w.dS.data());
@@ -213,12 +352,37 @@ void backward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows
       mm(true, false, K, V, C2, kq_c, K, w.dkqS.data(), V, beta, w.dS.data(), V);
       have_dS = true;
     }
+    if (f != nullptr) chunk_factors_backward(s, c, j, kq_c, *f, g, dkq_c, *dg, *dbeta, scale, w);
   }
   if (want_dh0) {
     float* dh0 = g.dh0.data_ptr<float>() + j * KV;
     if (have_dS) std::copy(w.dS.begin(), w.dS.end(), dh0);
     else std::fill(dh0, dh0 + KV, 0.0f);
   }
+}
+
+std::vector<torch::Tensor> scan_backward(torch::Tensor kq, torch::Tensor v, torch::Tensor eG, torch::Tensor eGe,
+                                         torch::Tensor a, torch::Tensor Tb, torch::Tensor A, torch::Tensor states,
+                                         torch::Tensor kqS, torch::Tensor u, torch::Tensor dout, torch::Tensor dlast,
+                                         double scale, bool zero_start, bool want_dh0, int64_t threads,
+                                         const Factors* f) {
+  const Dims s = dims_of(kq, v);
+  TORCH_CHECK(dout.sizes() == v.sizes() && dout.stride(3) == 1, "gated_delta_cpu: do must be shaped like v");
+  auto opts = kq.options();
+  Grads g{torch::empty_like(kq), torch::empty({s.b, s.n * s.C, s.h, s.V}, opts), torch::empty_like(eG),
+          torch::zeros_like(eGe), torch::zeros_like(a), torch::empty_like(Tb), torch::empty_like(A),
+          want_dh0 ? torch::empty({s.b, s.h, s.K, s.V}, opts) : torch::empty({0}, opts)};
+  torch::Tensor dg = f ? torch::empty_like(eG) : torch::empty({0}, opts), dbeta = torch::empty_like(dg);
+  const float* dl = dlast.numel() ? dlast.data_ptr<float>() : nullptr;
+  const Rows vr(v), dr(dout), dvr(g.dv);
+  parallel_channels(s.bh(), static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
+    Scratch w(s);
+    for (int64_t j = begin; j < end; ++j)
+      backward_task(s, j, kq, vr, dr, eG, eGe, a, Tb, A, states, kqS, u, dl, g, dvr, zero_start, want_dh0,
+                    static_cast<float>(scale), w, f, &dg, &dbeta);
+  });
+  if (f) return {g.dkq, g.dv, dg, dbeta, g.dh0};
+  return {g.dkq, g.dv, g.gG, g.gGe, g.ga, g.dTb, g.dA, g.dh0};
 }
 
 }  // namespace
@@ -229,19 +393,20 @@ std::vector<torch::Tensor> gated_delta_scan_backward(torch::Tensor kq, torch::Te
                                                      torch::Tensor u, torch::Tensor dout, torch::Tensor dlast,
                                                      double scale, bool zero_start, bool want_dh0,
                                                      int64_t threads) {
-  const Dims s = dims_of(kq, v);
-  TORCH_CHECK(dout.sizes() == v.sizes() && dout.stride(3) == 1, "gated_delta_cpu: do must be shaped like v");
-  auto opts = kq.options();
-  Grads g{torch::empty_like(kq), torch::empty({s.b, s.n * s.C, s.h, s.V}, opts), torch::empty_like(eG),
-          torch::zeros_like(eGe), torch::zeros_like(a), torch::empty_like(Tb), torch::empty_like(A),
-          want_dh0 ? torch::empty({s.b, s.h, s.K, s.V}, opts) : torch::empty({0}, opts)};
-  const float* dl = dlast.numel() ? dlast.data_ptr<float>() : nullptr;
-  const Rows vr(v), dr(dout), dvr(g.dv);
-  parallel_channels(s.bh(), static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
-    Scratch w(s);
-    for (int64_t j = begin; j < end; ++j)
-      backward_task(s, j, kq, vr, dr, eG, eGe, a, Tb, A, states, kqS, u, dl, g, dvr, zero_start, want_dh0,
-                    static_cast<float>(scale), w);
-  });
-  return {g.dkq, g.dv, g.gG, g.gGe, g.ga, g.dTb, g.dA, g.dh0};
+  return scan_backward(kq, v, eG, eGe, a, Tb, A, states, kqS, u, dout, dlast, scale, zero_start, want_dh0, threads,
+                       nullptr);
+}
+
+std::vector<torch::Tensor> gated_delta_chunk_backward(torch::Tensor kq, torch::Tensor v,
+                                                      torch::Tensor beta, torch::Tensor P, torch::Tensor M,
+                                                      torch::Tensor T, torch::Tensor eG, torch::Tensor eGe,
+                                                      torch::Tensor a, torch::Tensor Tb, torch::Tensor A,
+                                                      torch::Tensor states, torch::Tensor kqS, torch::Tensor u,
+                                                      torch::Tensor dout, torch::Tensor dlast, double scale,
+                                                      bool zero_start, bool want_dh0, int64_t threads) {
+  const Factors f{torch::Tensor(), beta, P, M, T, eG, eGe, a, Tb, A};  // g: the backward needs only its cumsum's
+  for (const auto& x : {beta, P, M, T, eG, eGe, a, Tb, A})
+    TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat, "gated_delta_cpu: factors must be contiguous float32");
+  return scan_backward(kq, v, eG, eGe, a, Tb, A, states, kqS, u, dout, dlast, scale, zero_start, want_dh0, threads,
+                       &f);
 }

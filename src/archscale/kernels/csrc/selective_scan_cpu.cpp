@@ -716,6 +716,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_scale_grad", &cross_entropy_scale_grad, "the loss gradient times the upstream one (CPU)");
   m.def("gated_delta_scan_forward", &gated_delta_scan_forward, "gated delta rule chunk loop forward (CPU, fp32)");
   m.def("gated_delta_scan_backward", &gated_delta_scan_backward, "gated delta rule chunk loop backward (CPU, fp32)");
+  m.def("gated_delta_chunk_forward", &gated_delta_chunk_forward, "the chunk loop forward with its factors (CPU)");
+  m.def("gated_delta_chunk_backward", &gated_delta_chunk_backward, "the chunk loop backward with its factors (CPU)");
   m.def("ssd_forward", &ssd_forward, "Mamba-2 SSD chunked scan forward (CPU, fp32)");
   m.def("ssd_backward", &ssd_backward, "Mamba-2 SSD chunked scan backward (CPU, fp32)");
 }
