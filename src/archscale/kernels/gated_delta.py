@@ -30,9 +30,10 @@ Implementations (``impl=``):
 - ``"cpu"``: ``"chunked"`` with its two loops over chunks (`_scan`, `_scan_backward`) as C++ on CPU
   (`csrc/gated_delta_cpu.cpp` in `kernels/scan_cpu.py`'s module): one task per (batch row, head) walks the chunks
   with its (K, V) state in cache, the products single-threaded gemms on the chunk's blocks. Without document
-  masks the loops also make each chunk's factors and their gradients (`FUSE_FACTORS`), while the chunk's keys
-  are in cache; with them the factors stay the torch path's. The autograd Function is the torch path's.
-  Checked against ``"ref"`` by the same tests as ``"chunked"``, with the factors in C++ and in torch.
+  masks the loops also make each chunk's l2-normed keys and queries and its factors, and their gradients
+  (`_ChunkedGatedDeltaCPU`, `FUSE_FACTORS`), while the chunk's rows are in cache; with them those stay the torch
+  path's, and so does the autograd Function. Checked against ``"ref"`` by the same tests as ``"chunked"``, both
+  ways.
 - ``"fla"``: ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (flash-linear-attention, CUDA tensors). With
   `reset` the batch is flattened into one sequence with ``cu_seqlens`` (fla's varlen form); a call with both
   `reset` and `initial_state` falls back to ``"chunked"``.
@@ -52,8 +53,9 @@ from archscale.kernels.dispatch import Dispatch, Impl, cuda_impl
 from archscale.kernels.selective_scan import ENV_VAR
 
 CHUNK = 64  # chunked path: steps per chunk (fla's and transformers' choice; see benchmarks/gdn_throughput.py)
-# impl "cpu" without document masks: the per-chunk factors and their gradients made inside the C++ chunk loops
-# (each chunk's while its keys are in cache) instead of batched in torch; False keeps them in torch (tests run both)
+# impl "cpu" without document masks: the keys' and queries' l2norm and layout and the per-chunk factors, and
+# their gradients, made inside the C++ chunk loops (each chunk's while its rows are in cache) instead of batched
+# in torch (`_ChunkedGatedDeltaCPU`); False keeps them in torch, as with document masks (tests run both)
 FUSE_FACTORS = True
 
 _FLA: dict[str, object] = {}
@@ -235,6 +237,11 @@ def _chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tenso
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
         reset = None if reset is None else F.pad(reset, (0, pad), value=False)
+    if fused and reset is None and FUSE_FACTORS:
+        k, q, v = (x.float() if x.stride(-1) == 1 else x.float().contiguous() for x in (k, q, v))
+        o, last = _ChunkedGatedDeltaCPU.apply(k, q, v, _chunk_major(g.float(), C), _chunk_major(beta.float(), C),
+                                              h0, C, scale, normalise, need_last)
+        return o[:, :t], (last if need_last else None)
     kq = _KeysOverQueries.apply(k, q, C, normalise)                          # (n, b, h, 2C, K)
     same, fresh = _document_masks(reset, b, kq.shape[0], C)                  # (n, b, 1, C, C), (n, b, 1, C)
     o, last = _ChunkedGatedDelta.apply(kq, v.float(), _chunk_major(g.float(), C), _chunk_major(beta.float(), C),
@@ -254,13 +261,8 @@ class _ChunkedGatedDelta(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kq, v, g, beta, h0, same, fresh, scale, need_last, fused):
-        ctx.with_factors = fused and same is None and FUSE_FACTORS
-        if ctx.with_factors:
-            o, states, kqS, u, *f = _chunk_cpu(kq, v, g, beta, h0, scale, need_last)
-            f.insert(3, kq.new_zeros(0))                                     # sc: none without documents
-        else:
-            f = _factors(kq, g, beta, same, fresh, scale)
-            o, states, kqS, u = (_scan_cpu if fused else _scan)(kq, v, f, h0, scale, need_last)
+        f = _factors(kq, g, beta, same, fresh, scale)
+        o, states, kqS, u = (_scan_cpu if fused else _scan)(kq, v, f, h0, scale, need_last)
         ctx.save_for_backward(kq, v, beta, states, kqS, u, *f)
         ctx.scale, ctx.zero_start, ctx.need_last, ctx.fused = scale, h0 is None, need_last, fused
         return o, (states[-1].clone() if need_last else states.new_zeros(()))
@@ -270,10 +272,6 @@ class _ChunkedGatedDelta(torch.autograd.Function):
     def backward(ctx, do, dlast):
         kq, v, beta, states, kqS, u, *f = ctx.saved_tensors
         want_dh0 = not ctx.zero_start and ctx.needs_input_grad[4]
-        if ctx.with_factors:
-            dkq, dv, dg, dbeta, dh0 = _chunk_backward_cpu(ctx, kq, v, beta, f, states, kqS, u, do,
-                                                          dlast if ctx.need_last else None, want_dh0)
-            return dkq, dv, dg, dbeta, dh0, None, None, None, None, None
         scan_backward = _scan_backward_cpu if ctx.fused else _scan_backward
         dkq, dv, dlog, dTb, dA, dh0 = scan_backward(ctx, kq, v, f, states, kqS, u, do,
                                                     dlast if ctx.need_last else None, want_dh0)
@@ -452,25 +450,33 @@ def _scan_backward_cpu(ctx, kq, v, f, states, kqS, u, do, dlast, want_dh0):
     return dkq, dv, (gG, gGe, ga), dTb, dA, (dh0 if want_dh0 else None)
 
 
-def _chunk_cpu(kq: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor | None, scale: float, need_last: bool):
-    """`_factors` and `_scan` in one pass on the C++ module (no document masks): o, states, kqS, u and the
-    factors (P, M, T, eG, eGe, a, Tb, A), each chunk's made while its keys are in cache."""
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    empty = kq.new_zeros(0)
-    return scan_cpu.gated_delta_chunk(kq, v, g.contiguous(), beta.contiguous(),
-                                      empty if h0 is None else h0.contiguous(), scale, need_last)
+class _ChunkedGatedDeltaCPU(torch.autograd.Function):
+    """impl "cpu" without document masks: the keys' and queries' l2norm and layout (`_KeysOverQueries`), the
+    factors (`_factors`) and the loops (`_scan`) in one C++ pass forward, and the same backward, each chunk's
+    work done while its rows are in cache. k, q (b, t, h, K) and v (b, t, h, V) fp32, unit inner stride; g, beta
+    (n, b, h, C) chunk-major. Returns o (b, t, h, V) and S_n (not computed unless `need_last`)."""
 
+    @staticmethod
+    def forward(ctx, k, q, v, g, beta, h0, C, scale, normalise, need_last):
+        empty = k.new_zeros(0)
+        o, states, kqS, u, kq, rs, *f = scan_cpu.gated_delta_chunk(
+            k, q, v, g.contiguous(), beta.contiguous(), empty if h0 is None else h0.contiguous(), C, scale,
+            normalise, need_last)
+        ctx.save_for_backward(kq, rs, v, beta, states, kqS, u, *f)
+        ctx.scale, ctx.normalise, ctx.zero_start, ctx.need_last = scale, normalise, h0 is None, need_last
+        return o, (states[-1].clone() if need_last else states.new_zeros(()))
 
-def _chunk_backward_cpu(ctx, kq, v, beta, f, states, kqS, u, do, dlast, want_dh0):
-    """`_scan_backward` and `_factors_backward` in one pass on the C++ module: (dkq, dv, dg, dbeta, dh0)."""
-    P, M, T, _, eG, eGe, a, Tb, A = f
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    do = torch.zeros_like(v) if do is None else (do if do.stride(-1) == 1 else do.contiguous())
-    dlast = kq.new_zeros(0) if dlast is None else dlast.contiguous()
-    dkq, dv, dg, dbeta, dh0 = scan_cpu.gated_delta_chunk_backward(
-        kq, v, beta.contiguous(), P, M, T, eG, eGe, a, Tb, A, states, kqS, u, do, dlast, ctx.scale, ctx.zero_start,
-        want_dh0)
-    return dkq, dv, dg, dbeta, (dh0 if want_dh0 else None)
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dlast):
+        kq, rs, v, beta, states, kqS, u, *f = ctx.saved_tensors
+        want_dh0 = not ctx.zero_start and ctx.needs_input_grad[5]
+        do = torch.zeros_like(v) if do is None else (do if do.stride(-1) == 1 else do.contiguous())
+        dlast = kq.new_zeros(0) if dlast is None or not ctx.need_last else dlast.contiguous()
+        dk, dq, dv, dg, dbeta, dh0 = scan_cpu.gated_delta_chunk_backward(
+            kq, rs, v, beta.contiguous(), *f, states, kqS, u, do, dlast, ctx.scale, ctx.normalise, ctx.zero_start,
+            want_dh0)
+        return dk, dq, dv, dg, dbeta, (dh0 if want_dh0 else None), None, None, None, None
 
 
 def _unit_lower_inverse(L: Tensor) -> Tensor:

@@ -1,9 +1,10 @@
 // The gated delta rule's chunk loop (Gated DeltaNet), fused on CPU: forward and backward of the products with
 // the state, the part of kernels/gated_delta.py's chunked form that is sequential over chunks (`_scan`,
-// `_scan_backward` there, whose docstrings give the maths). The per-chunk factors eG, eGe, a, Tb and A either come
-// in from torch, batched over all chunks (gated_delta_scan_*: with document masks), or are made, and
-// differentiated, at the top and the end of each chunk's step (gated_delta_chunk_*: `_factors` and
-// `_factors_backward` there), while the chunk's keys are in cache: that took a GDNY step 1.8% shorter.
+// `_scan_backward` there, whose docstrings give the maths). The l2-normed keys and queries kq and the per-chunk
+// factors eG, eGe, a, Tb and A either come in from torch, batched over all chunks (gated_delta_scan_*: with
+// document masks), or are made, and differentiated, at the top and the end of each chunk's step
+// (gated_delta_chunk_*: `_KeysOverQueries`, `_factors` and `_factors_backward` there), while the chunk's rows are
+// in cache: a layer's rule about 8% faster forward + backward than with them in torch.
 //
 // The torch loop runs each step as one batched op over every (batch row, head): a (K, V) state per pair, 512 KB
 // at K = 256, V = 512, so the states of a batch (4 MB at B4 x 2 heads) leave cache between the ops of a chunk,
@@ -79,6 +80,64 @@ struct Factors {
   torch::Tensor g, beta, P, M, T, eG, eGe, a, Tb, A;
 };
 
+// The keys and queries the fused loops read and write in the callers' (b, t, h, K) layout (unit inner stride):
+// forward, k and q in and kq = [l2norm(k); l2norm(q)] per chunk out, with rs (n, b, h, 2C) the rows' 1 / norms
+// (1 without `normalise`); backward, dk and dq out (contiguous), dx = r (dy - y (y . dy)) from kq's gradient.
+struct KeysQueries {
+  torch::Tensor kq, rs;
+  Rows k, q;
+  bool normalise;
+};
+
+// y = r x, r = 1 / sqrt(sum x^2 + 1e-6) (or 1), for the rows of chunk c of task j: keys, then queries.
+void chunk_keys_queries(const Dims& s, int64_t c, int64_t j, KeysQueries& kq) {
+  const int64_t C = s.C, K = s.K;
+  float* y = block_mut(kq.kq, s, c, j, s.C2() * K);
+  float* r = block_mut(kq.rs, s, c, j, s.C2());
+  for (int half = 0; half < 2; ++half) {
+    const Rows& x = half ? kq.q : kq.k;
+    const float* src = x.chunk(j, s.h, c, C);
+    for (int64_t i = 0; i < C; ++i) {
+      const float* xi = src + i * x.st;
+      float* yi = y + (half * C + i) * K;
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < K; ++d) ss += xi[d] * xi[d];
+      const float ri = kq.normalise ? 1.0f / std::sqrt(ss + 1e-6f) : 1.0f;
+      r[half * C + i] = ri;
+#pragma omp simd
+      for (int64_t d = 0; d < K; ++d) yi[d] = xi[d] * ri;
+    }
+  }
+}
+
+// dx = r (dy - y (y . dy)) (or dy without `normalise`) for chunk c of task j, from dy = d kq_c (2C x K).
+void chunk_keys_queries_backward(const Dims& s, int64_t c, int64_t j, const KeysQueries& kq, const float* dy,
+                                 const Rows& dk, const Rows& dq) {
+  const int64_t C = s.C, K = s.K;
+  const float* y = block(kq.kq, s, c, j, s.C2() * K);
+  const float* r = block(kq.rs, s, c, j, s.C2());
+  for (int half = 0; half < 2; ++half) {
+    float* dst = (half ? dq : dk).chunk(j, s.h, c, C);
+    const int64_t st = (half ? dq : dk).st;
+    for (int64_t i = 0; i < C; ++i) {
+      const int64_t row = half * C + i;
+      const float *yi = y + row * K, *gi = dy + row * K;
+      float* out = dst + i * st;
+      if (!kq.normalise) {
+        std::copy(gi, gi + K, out);
+        continue;
+      }
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < K; ++d) dot += yi[d] * gi[d];
+      const float ri = r[row];
+#pragma omp simd
+      for (int64_t d = 0; d < K; ++d) out[d] = ri * (gi[d] - yi[d] * dot);
+    }
+  }
+}
+
 // G = the chunk's cumsum of g (in double, as torch's cumsum); M[i, j] = exp(G_i - G_j) for j <= i (exponent
 // clamped at -87 as there), else 0; eG = exp(G), eGe = exp(G_end - G), a = exp(G_end); T = (I + L)^-1 with
 // L = diag(beta) (k k^T * M) strictly lower, by forward substitution (row i of T = e_i - sum_{m < i} L[i, m]
@@ -131,9 +190,10 @@ void forward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows&
                   const torch::Tensor& eG, const torch::Tensor& eGe, const torch::Tensor& a,
                   const torch::Tensor& Tb, const torch::Tensor& A, torch::Tensor& states, torch::Tensor& kqS,
                   torch::Tensor& u, bool has_h0, bool need_last, float scale, std::vector<float>& z,
-                  Factors* f, std::vector<float>& G) {
+                  Factors* f, KeysQueries* in, std::vector<float>& G) {
   const int64_t C = s.C, K = s.K, V = s.V, C2 = s.C2(), KV = K * V;
   for (int64_t c = 0; c < s.n; ++c) {
+    if (in != nullptr) chunk_keys_queries(s, c, j, *in);
     const float* kq_c = block(kq, s, c, j, C2 * K);
     if (f != nullptr) chunk_factors(s, c, j, kq_c, *f, scale, G);
     const float* S = block(states, s, c, j, KV);
@@ -168,7 +228,8 @@ void forward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows&
 
 std::vector<torch::Tensor> scan_forward(torch::Tensor kq, torch::Tensor v, torch::Tensor eG, torch::Tensor eGe,
                                         torch::Tensor a, torch::Tensor Tb, torch::Tensor A, torch::Tensor h0,
-                                        double scale, bool need_last, int64_t threads, Factors* f) {
+                                        double scale, bool need_last, int64_t threads, Factors* f,
+                                        KeysQueries* in) {
   const Dims s = dims_of(kq, v);
   auto opts = kq.options();
   auto o = torch::empty({s.b, s.n * s.C, s.h, s.V}, opts);
@@ -183,7 +244,7 @@ std::vector<torch::Tensor> scan_forward(torch::Tensor kq, torch::Tensor v, torch
     std::vector<float> z(s.C * s.V), G(s.C);
     for (int64_t j = begin; j < end; ++j)
       forward_task(s, j, kq, vr, orows, eG, eGe, a, Tb, A, states, kqS, u, has_h0, need_last,
-                   static_cast<float>(scale), z, f, G);
+                   static_cast<float>(scale), z, f, in, G);
   });
   return {o, states, kqS, u};
 }
@@ -194,23 +255,28 @@ std::vector<torch::Tensor> gated_delta_scan_forward(torch::Tensor kq, torch::Ten
                                                     torch::Tensor eGe, torch::Tensor a, torch::Tensor Tb,
                                                     torch::Tensor A, torch::Tensor h0, double scale, bool need_last,
                                                     int64_t threads) {
-  return scan_forward(kq, v, eG, eGe, a, Tb, A, h0, scale, need_last, threads, nullptr);
+  return scan_forward(kq, v, eG, eGe, a, Tb, A, h0, scale, need_last, threads, nullptr, nullptr);
 }
 
-std::vector<torch::Tensor> gated_delta_chunk_forward(torch::Tensor kq, torch::Tensor v, torch::Tensor g,
-                                                     torch::Tensor beta, torch::Tensor h0, double scale,
-                                                     bool need_last, int64_t threads) {
-  const Dims s = dims_of(kq, v);
-  TORCH_CHECK(g.sizes() == torch::IntArrayRef({s.n, s.b, s.h, s.C}) && g.is_contiguous() && beta.sizes() == g.sizes()
-              && beta.is_contiguous() && g.scalar_type() == torch::kFloat && beta.scalar_type() == torch::kFloat,
+std::vector<torch::Tensor> gated_delta_chunk_forward(torch::Tensor k, torch::Tensor q, torch::Tensor v,
+                                                     torch::Tensor g, torch::Tensor beta, torch::Tensor h0,
+                                                     int64_t C, double scale, bool normalise, bool need_last,
+                                                     int64_t threads) {
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == q.sizes() && k.stride(3) == 1 && q.stride(3) == 1 &&
+                  k.scalar_type() == torch::kFloat && q.scalar_type() == torch::kFloat && C > 0 && k.size(1) % C == 0,
+              "gated_delta_cpu: k, q must be (b, t, h, K) float32 with unit inner stride, t whole chunks");
+  const int64_t n = k.size(1) / C, b = k.size(0), h = k.size(2), K = k.size(3);
+  TORCH_CHECK(g.sizes() == torch::IntArrayRef({n, b, h, C}) && g.is_contiguous() && beta.sizes() == g.sizes() &&
+                  beta.is_contiguous() && g.scalar_type() == torch::kFloat && beta.scalar_type() == torch::kFloat,
               "gated_delta_cpu: g and beta must be (n, b, h, C) contiguous float32");
-  auto opts = kq.options();
-  Factors f{g, beta, torch::empty({s.n, s.b, s.h, s.C2(), s.C}, opts), torch::empty({s.n, s.b, s.h, s.C, s.C}, opts),
-            torch::empty({s.n, s.b, s.h, s.C, s.C}, opts), torch::empty_like(g), torch::empty_like(g),
-            torch::empty({s.n, s.b, s.h}, opts), torch::empty({s.n, s.b, s.h, s.C, s.C}, opts),
-            torch::empty({s.n, s.b, s.h, s.C, s.C}, opts)};
-  auto out = scan_forward(kq, v, f.eG, f.eGe, f.a, f.Tb, f.A, h0, scale, need_last, threads, &f);
-  for (const auto& x : {f.P, f.M, f.T, f.eG, f.eGe, f.a, f.Tb, f.A}) out.push_back(x);
+  auto opts = k.options();
+  KeysQueries in{torch::empty({n, b, h, 2 * C, K}, opts), torch::empty({n, b, h, 2 * C}, opts), Rows(k), Rows(q),
+                 normalise};
+  auto square = [&] { return torch::empty({n, b, h, C, C}, opts); };
+  Factors f{g, beta, torch::empty({n, b, h, 2 * C, C}, opts), square(), square(), torch::empty_like(g),
+            torch::empty_like(g), torch::empty({n, b, h}, opts), square(), square()};
+  auto out = scan_forward(in.kq, v, f.eG, f.eGe, f.a, f.Tb, f.A, h0, scale, need_last, threads, &f, &in);
+  for (const auto& x : {in.kq, in.rs, f.P, f.M, f.T, f.eG, f.eGe, f.a, f.Tb, f.A}) out.push_back(x);
   return out;
 }
 
@@ -221,11 +287,10 @@ struct Grads {
 };
 
 struct Scratch {
-  std::vector<float> du, kdS, ue, z, dz, dkqS, dS, X, Y, dP, sums;
-  std::vector<double> dG;
-  Scratch(const Dims& s)
+  std::vector<float> du, kdS, ue, z, dz, dkqS, dS, X, Y, dP, sums, dkq;
+  Scratch(const Dims& s, bool fused)
       : du(s.C * s.V), kdS(s.C * s.V), ue(s.C * s.V), z(s.C * s.V), dz(s.C * s.V), dkqS(s.C2() * s.V),
-        dS(s.K * s.V), X(s.C * s.C), Y(s.C * s.C), dP(s.C2() * s.C), sums(2 * s.C), dG(s.C) {}
+        dS(s.K * s.V), X(s.C * s.C), Y(s.C * s.C), dP(s.C2() * s.C), sums(2 * s.C), dkq(fused ? s.C2() * s.K : 0) {}
 };
 
 // The gradients of the chunk's factors (kernels/gated_delta.py's `_factors_backward`, without document masks),
@@ -289,7 +354,7 @@ void backward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows
                    const torch::Tensor& Tb, const torch::Tensor& A, const torch::Tensor& states,
                    const torch::Tensor& kqS, const torch::Tensor& u, const float* dlast, Grads& g, const Rows& dv,
                    bool zero_start, bool want_dh0, float scale, Scratch& w, const Factors* f, torch::Tensor* dg,
-                   torch::Tensor* dbeta) {
+                   torch::Tensor* dbeta, const KeysQueries* in, const Rows* dk, const Rows* dq) {
   const int64_t C = s.C, K = s.K, V = s.V, C2 = s.C2(), KV = K * V;
   bool have_dS = dlast != nullptr;
   if (have_dS) std::copy(dlast + j * KV, dlast + (j + 1) * KV, w.dS.data());
@@ -343,7 +408,7 @@ void backward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows
       }
       gG_c[i] = acc;
     }
-    float* dkq_c = block_mut(g.dkq, s, c, j, C2 * K);
+    float* dkq_c = in ? w.dkq.data() : block_mut(g.dkq, s, c, j, C2 * K);  // fused: straight on into dk, dq
     if (c || !zero_start) mm(false, true, C2, K, V, w.dkqS.data(), V, S, V, 0.0f, dkq_c, K);  // d kq S^T
     else std::fill(dkq_c, dkq_c + C2 * K, 0.0f);
     if (have_dS) mm(false, true, C, K, V, w.ue.data(), V, w.dS.data(), V, 1.0f, dkq_c, K);  // + (eGe u) dS^T
@@ -353,6 +418,7 @@ void backward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows
       have_dS = true;
     }
     if (f != nullptr) chunk_factors_backward(s, c, j, kq_c, *f, g, dkq_c, *dg, *dbeta, scale, w);
+    if (in != nullptr) chunk_keys_queries_backward(s, c, j, *in, dkq_c, *dk, *dq);
   }
   if (want_dh0) {
     float* dh0 = g.dh0.data_ptr<float>() + j * KV;
@@ -365,23 +431,25 @@ std::vector<torch::Tensor> scan_backward(torch::Tensor kq, torch::Tensor v, torc
                                          torch::Tensor a, torch::Tensor Tb, torch::Tensor A, torch::Tensor states,
                                          torch::Tensor kqS, torch::Tensor u, torch::Tensor dout, torch::Tensor dlast,
                                          double scale, bool zero_start, bool want_dh0, int64_t threads,
-                                         const Factors* f) {
+                                         const Factors* f, const KeysQueries* in) {
   const Dims s = dims_of(kq, v);
   TORCH_CHECK(dout.sizes() == v.sizes() && dout.stride(3) == 1, "gated_delta_cpu: do must be shaped like v");
   auto opts = kq.options();
-  Grads g{torch::empty_like(kq), torch::empty({s.b, s.n * s.C, s.h, s.V}, opts), torch::empty_like(eG),
-          torch::zeros_like(eGe), torch::zeros_like(a), torch::empty_like(Tb), torch::empty_like(A),
-          want_dh0 ? torch::empty({s.b, s.h, s.K, s.V}, opts) : torch::empty({0}, opts)};
+  Grads g{in ? torch::empty({0}, opts) : torch::empty_like(kq), torch::empty({s.b, s.n * s.C, s.h, s.V}, opts),
+          torch::empty_like(eG), torch::zeros_like(eGe), torch::zeros_like(a), torch::empty_like(Tb),
+          torch::empty_like(A), want_dh0 ? torch::empty({s.b, s.h, s.K, s.V}, opts) : torch::empty({0}, opts)};
   torch::Tensor dg = f ? torch::empty_like(eG) : torch::empty({0}, opts), dbeta = torch::empty_like(dg);
+  torch::Tensor dk = torch::empty({in ? s.b : 0, s.n * s.C, s.h, s.K}, opts);  // (b, t, h, K) rows, or none
+  torch::Tensor dq = torch::empty_like(dk);
   const float* dl = dlast.numel() ? dlast.data_ptr<float>() : nullptr;
-  const Rows vr(v), dr(dout), dvr(g.dv);
+  const Rows vr(v), dr(dout), dvr(g.dv), dkr(dk), dqr(dq);
   parallel_channels(s.bh(), static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
-    Scratch w(s);
+    Scratch w(s, in != nullptr);
     for (int64_t j = begin; j < end; ++j)
       backward_task(s, j, kq, vr, dr, eG, eGe, a, Tb, A, states, kqS, u, dl, g, dvr, zero_start, want_dh0,
-                    static_cast<float>(scale), w, f, &dg, &dbeta);
+                    static_cast<float>(scale), w, f, &dg, &dbeta, in, &dkr, &dqr);
   });
-  if (f) return {g.dkq, g.dv, dg, dbeta, g.dh0};
+  if (in) return {dk, dq, g.dv, dg, dbeta, g.dh0};
   return {g.dkq, g.dv, g.gG, g.gGe, g.ga, g.dTb, g.dA, g.dh0};
 }
 
@@ -394,19 +462,22 @@ std::vector<torch::Tensor> gated_delta_scan_backward(torch::Tensor kq, torch::Te
                                                      double scale, bool zero_start, bool want_dh0,
                                                      int64_t threads) {
   return scan_backward(kq, v, eG, eGe, a, Tb, A, states, kqS, u, dout, dlast, scale, zero_start, want_dh0, threads,
-                       nullptr);
+                       nullptr, nullptr);
 }
 
-std::vector<torch::Tensor> gated_delta_chunk_backward(torch::Tensor kq, torch::Tensor v,
+std::vector<torch::Tensor> gated_delta_chunk_backward(torch::Tensor kq, torch::Tensor rs, torch::Tensor v,
                                                       torch::Tensor beta, torch::Tensor P, torch::Tensor M,
                                                       torch::Tensor T, torch::Tensor eG, torch::Tensor eGe,
                                                       torch::Tensor a, torch::Tensor Tb, torch::Tensor A,
                                                       torch::Tensor states, torch::Tensor kqS, torch::Tensor u,
                                                       torch::Tensor dout, torch::Tensor dlast, double scale,
-                                                      bool zero_start, bool want_dh0, int64_t threads) {
+                                                      bool normalise, bool zero_start, bool want_dh0,
+                                                      int64_t threads) {
   const Factors f{torch::Tensor(), beta, P, M, T, eG, eGe, a, Tb, A};  // g: the backward needs only its cumsum's
-  for (const auto& x : {beta, P, M, T, eG, eGe, a, Tb, A})
-    TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat, "gated_delta_cpu: factors must be contiguous float32");
+  for (const auto& x : {rs, beta, P, M, T, eG, eGe, a, Tb, A})
+    TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat,
+                "gated_delta_cpu: the saved factors must be contiguous float32");
+  const KeysQueries in{kq, rs, Rows(kq), Rows(kq), normalise};  // the rows are written through dk, dq here
   return scan_backward(kq, v, eG, eGe, a, Tb, A, states, kqS, u, dout, dlast, scale, zero_start, want_dh0, threads,
-                       &f);
+                       &f, &in);
 }
