@@ -184,8 +184,8 @@ void chunk_factors(const Dims& s, int64_t c, int64_t j, const float* kq_c, Facto
   }
 }
 
-// One task's forward over all chunks (see the file comment for the layouts); with `f`, each chunk's factors
-// are made first (into f's tensors, the same ones eG ... A name).
+// One task's forward over all chunks (see the file comment for the layouts); with `in`, each chunk's [k; q]
+// block is made first from the rows, and with `f` its factors (into f's tensors, the same ones eG ... A name).
 void forward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows& v, const Rows& o,
                   const torch::Tensor& eG, const torch::Tensor& eGe, const torch::Tensor& a,
                   const torch::Tensor& Tb, const torch::Tensor& A, torch::Tensor& states, torch::Tensor& kqS,
@@ -348,7 +348,9 @@ void chunk_factors_backward(const Dims& s, int64_t c, int64_t j, const float* kq
   mm(true, false, C, s.K, C2, dP, C, kq_c, s.K, 1.0f, dkq_c, s.K);      // dk += dP^T kq
 }
 
-// One task's backward over the chunks in reverse (kernels/gated_delta.py's `_scan_backward`).
+// One task's backward over the chunks in reverse (kernels/gated_delta.py's `_scan_backward`); with `f`, each
+// chunk's factor gradients follow its step (`_factors_backward`), and with `in` its dk and dq rows, from a
+// scratch d[k; q] block.
 void backward_task(const Dims& s, int64_t j, const torch::Tensor& kq, const Rows& v, const Rows& dout,
                    const torch::Tensor& eG, const torch::Tensor& eGe, const torch::Tensor& a,
                    const torch::Tensor& Tb, const torch::Tensor& A, const torch::Tensor& states,
