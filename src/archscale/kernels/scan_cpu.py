@@ -451,8 +451,9 @@ def _(gy_shape, glast_shape, x_shape, dt_shape, A_shape, B_shape, *args, **kwarg
     return 2 * _ssd_forward_flops(x_shape, B_shape, chunk)
 
 
-# The gated delta rule's chunk loop (through kernels/gated_delta.py's chunked form, which computes the per-chunk
-# factors in torch and keeps the autograd Function). Absent h0 / dlast / dh0 are empty tensors.
+# The gated delta rule's chunk loop (through kernels/gated_delta.py's chunked form). With document masks the
+# per-chunk factors come from torch (gated_delta_cpu_*); without them the loops make the keys' and queries' layout
+# and the factors too (gated_delta_chunk_*). Absent h0 / dlast / dh0 are empty tensors.
 @torch.library.custom_op("archscale::gated_delta_cpu_fwd", mutates_args=())
 def gated_delta_scan(kq: Tensor, v: Tensor, eG: Tensor, eGe: Tensor, a: Tensor, Tb: Tensor, A: Tensor, h0: Tensor,
                      scale: float, need_last: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -223,13 +223,13 @@ def gdn_flops(config: ModelConfig, kind: str, seq_len: int) -> dict[str, float]:
 
 
 def gdn_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
-    """Per token: the input cast once per product (q|k|v|a|b and g: 2 d in the activation dtype; autocast does not
-    share casts of activations); per q|k|v channel the projections, conv and silu outputs and the kernel's fp32 l2-normed inputs
-    and factors (4 elements in the activation dtype + 17 B fp32, measured); per head the chunked kernel's fp32
-    chunk-by-chunk products (C per token, 24.5 B each; C = the chunk length at this sequence length) and its fp32
-    (K, V) state at every chunk start (4 K V / C per token); on CPU, 12 B less per value channel: the gated norm's
-    C++ kernel (kernels/gated_norm.py) keeps its two fp32 inputs where autograd keeps four fp32 intermediates.
-    "gdn_mem" keeps its output (the GMU memory, fp32) across a checkpointed block."""
+    """Per token: the input cast once per product (q|k|v|a|b and g: 2 d in the activation dtype; autocast does not share
+    casts of activations); per q|k|v channel the projections, conv and silu outputs and the kernel's fp32 l2-normed
+    inputs and factors (4 elements in the activation dtype + 17 B fp32, measured); per head the chunked kernel's
+    fp32 chunk-by-chunk products (C per token, 24.5 B each; C = the chunk length at this sequence length) and its
+    fp32 (K, V) state at every chunk start (4 K V / C per token); on CPU, 12 B less per value channel: the gated
+    norm's C++ kernel (kernels/gated_norm.py) keeps its two fp32 inputs where autograd keeps four fp32
+    intermediates. "gdn_mem" keeps its output (the GMU memory, fp32) across a checkpointed block."""
     opts = options(config)
     H, K, V, value_dim = widths(config, opts)
     memory = {"gmu_memory": 4 * value_dim} if kind == "gdn_mem" else {}
