@@ -459,23 +459,22 @@ class _ChunkedGatedDeltaCPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, q, v, g, beta, h0, C, scale, normalise, need_last):
         empty = k.new_zeros(0)
-        o, states, kqS, u, kq, rs, *f = scan_cpu.gated_delta_chunk(
+        o, states, z, kq, rs, *f = scan_cpu.gated_delta_chunk(
             k, q, v, g.contiguous(), beta.contiguous(), empty if h0 is None else h0.contiguous(), C, scale,
             normalise, need_last)
-        ctx.save_for_backward(kq, rs, v, beta, states, kqS, u, *f)
+        ctx.save_for_backward(kq, rs, v, beta, states, z, *f)
         ctx.scale, ctx.normalise, ctx.zero_start, ctx.need_last = scale, normalise, h0 is None, need_last
         return o, (states[-1].clone() if need_last else states.new_zeros(()))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlast):
-        kq, rs, v, beta, states, kqS, u, *f = ctx.saved_tensors
+        kq, rs, v, beta, states, z, *f = ctx.saved_tensors
         want_dh0 = not ctx.zero_start and ctx.needs_input_grad[5]
         do = torch.zeros_like(v) if do is None else (do if do.stride(-1) == 1 else do.contiguous())
         dlast = kq.new_zeros(0) if dlast is None or not ctx.need_last else dlast.contiguous()
         dk, dq, dv, dg, dbeta, dh0 = scan_cpu.gated_delta_chunk_backward(
-            kq, rs, v, beta.contiguous(), *f, states, kqS, u, do, dlast, ctx.scale, ctx.normalise, ctx.zero_start,
-            want_dh0)
+            kq, rs, v, beta.contiguous(), *f, states, z, do, dlast, ctx.scale, ctx.normalise, ctx.zero_start, want_dh0)
         return dk, dq, dv, dg, dbeta, (dh0 if want_dh0 else None), None, None, None, None
 
 

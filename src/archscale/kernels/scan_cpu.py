@@ -492,8 +492,9 @@ def _(kq, v, eG, eGe, a, Tb, A, states, kqS, u, do, dlast, scale, zero_start, wa
 @torch.library.custom_op("archscale::gated_delta_chunk_fwd", mutates_args=())
 def gated_delta_chunk(k: Tensor, q: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: Tensor, chunk: int, scale: float,
                       normalise: bool, need_last: bool) -> list[Tensor]:
-    """`gated_delta._KeysOverQueries`, `_factors` and `_scan` in one C++ pass (no document masks): [o, states, kqS,
-    u, kq, rs, P, M, T, eG, eGe, a, Tb, A]. k, q (b, t, h, K) fp32; g, beta chunk-major (n, b, h, C), contiguous."""
+    """`gated_delta._KeysOverQueries`, `_factors` and `_scan` in one C++ pass (no document masks): [o, states, z,
+    kq, rs, P, M, T, eG, eGe, a, Tb, A], z = v - eG k S per chunk (n, b, h, C, V) in place of `_scan`'s kqS and u.
+    k, q (b, t, h, K) fp32; g, beta chunk-major (n, b, h, C), contiguous."""
     return list(_load().gated_delta_chunk_forward(k, q, v, g, beta, h0, chunk, scale, normalise, need_last,
                                                   torch.get_num_threads()))
 
@@ -503,27 +504,25 @@ def _(k, q, v, g, beta, h0, chunk, scale, normalise, need_last):
     b, t, h, K = k.shape
     n, C, V = t // chunk, chunk, v.shape[-1]
     square = k.new_empty(n, b, h, C, C)
-    return [v.new_empty(b, t, h, V), k.new_empty(n + 1, b, h, K, V), k.new_empty(n, b, h, 2 * C, V),
-            k.new_empty(n, b, h, C, V), k.new_empty(n, b, h, 2 * C, K), k.new_empty(n, b, h, 2 * C),
+    return [v.new_empty(b, t, h, V), k.new_empty(n + 1, b, h, K, V), k.new_empty(n, b, h, C, V),
+            k.new_empty(n, b, h, 2 * C, K), k.new_empty(n, b, h, 2 * C),
             k.new_empty(n, b, h, 2 * C, C), square, torch.empty_like(square), torch.empty_like(g),
             torch.empty_like(g), k.new_empty(n, b, h), torch.empty_like(square), torch.empty_like(square)]
 
 
 @torch.library.custom_op("archscale::gated_delta_chunk_bwd", mutates_args=())
 def gated_delta_chunk_backward(kq: Tensor, rs: Tensor, v: Tensor, beta: Tensor, P: Tensor, M: Tensor, T: Tensor,
-                               eG: Tensor, eGe: Tensor, a: Tensor, Tb: Tensor, A: Tensor, states: Tensor,
-                               kqS: Tensor, u: Tensor, do: Tensor, dlast: Tensor, scale: float, normalise: bool,
-                               zero_start: bool, want_dh0: bool) -> list[Tensor]:
+                               eG: Tensor, eGe: Tensor, a: Tensor, Tb: Tensor, A: Tensor, states: Tensor, z: Tensor,
+                               do: Tensor, dlast: Tensor, scale: float, normalise: bool, zero_start: bool,
+                               want_dh0: bool) -> list[Tensor]:
     """The backward of `gated_delta_chunk` in one C++ pass: [dk, dq, dv, dg, dbeta, dh0 (empty unless want_dh0)],
     dk, dq (b, t, h, K), dg and dbeta chunk-major."""
-    return list(_load().gated_delta_chunk_backward(kq, rs, v, beta, P, M, T, eG, eGe, a, Tb, A, states, kqS, u, do,
-                                                   dlast, scale, normalise, zero_start, want_dh0,
-                                                   torch.get_num_threads()))
+    return list(_load().gated_delta_chunk_backward(kq, rs, v, beta, P, M, T, eG, eGe, a, Tb, A, states, z, do, dlast,
+                                                   scale, normalise, zero_start, want_dh0, torch.get_num_threads()))
 
 
 @gated_delta_chunk_backward.register_fake
-def _(kq, rs, v, beta, P, M, T, eG, eGe, a, Tb, A, states, kqS, u, do, dlast, scale, normalise, zero_start,
-      want_dh0):
+def _(kq, rs, v, beta, P, M, T, eG, eGe, a, Tb, A, states, z, do, dlast, scale, normalise, zero_start, want_dh0):
     n, b, h, C2, K = kq.shape
     dk = kq.new_empty(b, n * C2 // 2, h, K)
     dh0 = kq.new_empty(b, h, K, v.shape[-1]) if want_dh0 else kq.new_empty(0)
@@ -589,7 +588,9 @@ def _(k_shape, q_shape, v_shape, g_shape, beta_shape, h0_shape, chunk, scale, no
 
 @register_flop_formula(torch.ops.archscale.gated_delta_chunk_bwd)
 def _(kq_shape, rs_shape, v_shape, beta_shape, P_shape, M_shape, T_shape, eG_shape, eGe_shape, a_shape, Tb_shape,
-      A_shape, states_shape, kqS_shape, u_shape, do_shape, dlast_shape, scale, normalise, zero_start, want_dh0,
-      *args, **kwargs):
-    return _factor_backward_flops(kq_shape) + _gated_delta_backward_flops(
+      A_shape, states_shape, z_shape, do_shape, dlast_shape, scale, normalise, zero_start, want_dh0, *args,
+      **kwargs):
+    n, b, h, C, V = z_shape
+    remade_u = b * h * n * 2 * C * C * V  # u = Tb z again per chunk: u is not saved
+    return remade_u + _factor_backward_flops(kq_shape) + _gated_delta_backward_flops(
         kq_shape, v_shape, math.prod(dlast_shape) > 0, zero_start, want_dh0)

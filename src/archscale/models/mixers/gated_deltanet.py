@@ -229,7 +229,8 @@ def gdn_saved(config: ModelConfig, kind: str, env: SaveEnv) -> dict[str, float]:
     fp32 chunk-by-chunk products (C per token, 24.5 B each; C = the chunk length at this sequence length) and its
     fp32 (K, V) state at every chunk start (4 K V / C per token); on CPU, 12 B less per value channel: the gated
     norm's C++ kernel (kernels/gated_norm.py) keeps its two fp32 inputs where autograd keeps four fp32
-    intermediates. "gdn_mem" keeps its output (the GMU memory, fp32) across a checkpointed block."""
+    intermediates. The rule's C++ path (impl "cpu") keeps 8 B less per value channel than counted here (z where
+    the torch loop keeps k S, q S and u); not subtracted, so the count bounds both paths. "gdn_mem" keeps its output (the GMU memory, fp32) across a checkpointed block."""
     opts = options(config)
     H, K, V, value_dim = widths(config, opts)
     memory = {"gmu_memory": 4 * value_dim} if kind == "gdn_mem" else {}
