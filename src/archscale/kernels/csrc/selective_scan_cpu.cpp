@@ -357,6 +357,13 @@ struct ConvDims {
     return back ? std::min<int64_t>(r, back[bi * L + t]) : r;
   }
   const float* row(const float* x, int64_t bi, int64_t xt) const { return x + bi * sb + xt * st; }
+  // K = 4 and output rows t..t+3 all reach their four taps (and are rows of this batch row)
+  bool full_block4(int64_t bi, int64_t t) const {
+    if (K != 4 || t + 4 > L) return false;
+    for (int64_t i = 0; i < 4; ++i)
+      if (reach(bi, t + i) != 3) return false;
+    return true;
+  }
 };
 
 // pre-activation of output row (bi, t) into pre[0..d)
@@ -373,7 +380,10 @@ inline void conv_row(const ConvDims& s, const float* x, const float* w, const fl
 
 // K = 4 (every mixer's default) with all four taps in reach: the rows' taps in one pass over the channels, the
 // activation (forward) or its gradient and the weight gradients (backward) in the same pass. The general loops
-// above pass over the output row once per tap (4 reads and writes of it); these read each input once.
+// above pass over the output row once per tap (4 reads and writes of it); these read each input once. Where
+// four neighbouring rows all qualify, the *_block4 loops below take them together: 7 input rows read for 4
+// outputs, not 16, and the weight gradients read and written once per 4 rows. At (4, 512, 2048) on a 2-core
+// Xeon that took the forward from 1.73 to 1.40 ms and the backward from ~4.2 to ~2.8 ms (medians, A/B pairs).
 constexpr int64_t K4 = 4;
 
 // the taps' rows, newest first: x[j] is the input j steps back from output (bi, t)
@@ -425,6 +435,56 @@ void conv_row4_backward(const Taps4& tp, const float* w, const float* bias, cons
   }
 }
 
+// Four output rows t..t+3 at once, all taps of all four in reach (x[i] is input row t - 3 + i, i = 0..6; g[r],
+// gp[r] rows t + r): each weight gradient is read and written once per four rows, where row by row it was
+// read and written once per row (five read-modify-write streams per row: most of this pass's time).
+template <bool SILU, bool BIAS>
+void conv_block4_backward(const float* const* x, const float* const* g, float* const* gp, const float* w,
+                          const float* bias, int64_t d, float* __restrict__ gw) {
+  const float *w0 = w + 3 * d, *w1 = w + 2 * d, *w2 = w + d, *w3 = w;
+  float *gw0 = gw + 3 * d, *gw1 = gw + 2 * d, *gw2 = gw + d, *gw3 = gw, *gb = gw + K4 * d;
+  const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3], *x4 = x[4], *x5 = x[5], *x6 = x[6];
+  const float *g0 = g[0], *g1 = g[1], *g2 = g[2], *g3 = g[3];
+  float *p0 = gp[0], *p1 = gp[1], *p2 = gp[2], *p3 = gp[3];
+#pragma omp simd
+  for (int64_t c = 0; c < d; ++c) {
+    const float xs[7] = {x0[c], x1[c], x2[c], x3[c], x4[c], x5[c], x6[c]};
+    const float gs[4] = {g0[c], g1[c], g2[c], g3[c]};
+    float q[4];
+    for (int r = 0; r < 4; ++r) {  // output row t + r: taps j = 0..3 read xs[3 + r - j]
+      const float pre = w0[c] * xs[3 + r] + w1[c] * xs[2 + r] + w2[c] * xs[1 + r] + w3[c] * xs[r] +
+                        (BIAS ? bias[c] : 0.0f);
+      q[r] = SILU ? gs[r] * dsilu(pre, sigmoid(pre)) : gs[r];
+    }
+    p0[c] = q[0];
+    p1[c] = q[1];
+    p2[c] = q[2];
+    p3[c] = q[3];
+    gw0[c] += q[0] * xs[3] + q[1] * xs[4] + q[2] * xs[5] + q[3] * xs[6];
+    gw1[c] += q[0] * xs[2] + q[1] * xs[3] + q[2] * xs[4] + q[3] * xs[5];
+    gw2[c] += q[0] * xs[1] + q[1] * xs[2] + q[2] * xs[3] + q[3] * xs[4];
+    gw3[c] += q[0] * xs[0] + q[1] * xs[1] + q[2] * xs[2] + q[3] * xs[3];
+    if (BIAS) gb[c] += q[0] + q[1] + q[2] + q[3];
+  }
+}
+
+// output rows t..t+3 at once, all their taps in reach (x[i] = input row t - 3 + i, i = 0..6; out rows ldo apart)
+template <bool SILU, bool BIAS>
+void conv_block4(const float* const* x, const float* w, const float* bias, int64_t d, float* __restrict__ out,
+                 int64_t ldo) {
+  const float *w0 = w + 3 * d, *w1 = w + 2 * d, *w2 = w + d, *w3 = w;
+  const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3], *x4 = x[4], *x5 = x[5], *x6 = x[6];
+#pragma omp simd
+  for (int64_t c = 0; c < d; ++c) {
+    const float xs[7] = {x0[c], x1[c], x2[c], x3[c], x4[c], x5[c], x6[c]};
+    for (int r = 0; r < 4; ++r) {
+      const float pre = w0[c] * xs[3 + r] + w1[c] * xs[2 + r] + w2[c] * xs[1 + r] + w3[c] * xs[r] +
+                        (BIAS ? bias[c] : 0.0f);
+      out[r * ldo + c] = SILU ? pre * sigmoid(pre) : pre;
+    }
+  }
+}
+
 // one forward row (bi, t): the fused pass when it applies, else the general one
 inline void conv_out_row(const ConvDims& s, const float* px, const float* pw, const float* pb, bool silu,
                          int64_t bi, int64_t t, float* o) {
@@ -442,12 +502,34 @@ inline void conv_out_row(const ConvDims& s, const float* px, const float* pw, co
 
 // input row xt's gradient: gx[xt] = sum_j w[K-1-j] gpre[xt - P + j], over the outputs that reach it (one pass
 // when all K = 4 of them do)
-inline void conv_in_grad_row(const ConvDims& s, const float* pgp, const float* pw, int64_t bi, int64_t xt,
-                             float* __restrict__ o) {
+// whether all K = 4 outputs that read input row xt reach it
+inline bool read_by_all4(const ConvDims& s, int64_t bi, int64_t xt) {
   const int64_t t0 = xt - s.P;
   bool all = s.K == K4 && t0 >= 0 && t0 + K4 - 1 < s.L;
   for (int64_t j = 0; all && j < K4; ++j) all = s.reach(bi, t0 + j) >= j;
-  if (all) {
+  return all;
+}
+
+// input rows xt..xt+3's gradients at once, all read by all four outputs (g[i] = gpre row xt - P + i, i = 0..6)
+inline void conv_in_grad_block4(const float* const* g, const float* pw, int64_t d, float* __restrict__ o,
+                                int64_t ldo) {
+  const float *w0 = pw + 3 * d, *w1 = pw + 2 * d, *w2 = pw + d, *w3 = pw;
+  const float *g0 = g[0], *g1 = g[1], *g2 = g[2], *g3 = g[3], *g4 = g[4], *g5 = g[5], *g6 = g[6];
+  float *o0 = o, *o1 = o + ldo, *o2 = o + 2 * ldo, *o3 = o + 3 * ldo;
+#pragma omp simd
+  for (int64_t c = 0; c < d; ++c) {
+    const float a = w0[c], b = w1[c], e = w2[c], f = w3[c];
+    o0[c] = a * g0[c] + b * g1[c] + e * g2[c] + f * g3[c];
+    o1[c] = a * g1[c] + b * g2[c] + e * g3[c] + f * g4[c];
+    o2[c] = a * g2[c] + b * g3[c] + e * g4[c] + f * g5[c];
+    o3[c] = a * g3[c] + b * g4[c] + e * g5[c] + f * g6[c];
+  }
+}
+
+inline void conv_in_grad_row(const ConvDims& s, const float* pgp, const float* pw, int64_t bi, int64_t xt,
+                             float* __restrict__ o) {
+  const int64_t t0 = xt - s.P;
+  if (read_by_all4(s, bi, xt)) {
     const float* g0 = pgp + (bi * s.L + t0) * s.d;
     const float *g1 = g0 + s.d, *g2 = g0 + 2 * s.d, *g3 = g0 + 3 * s.d;
     const float *w0 = pw + 3 * s.d, *w1 = pw + 2 * s.d, *w2 = pw + s.d, *w3 = pw;
@@ -476,7 +558,20 @@ torch::Tensor conv_silu_forward(torch::Tensor x, torch::Tensor wT, torch::Tensor
   const float* pb = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* po = out.data_ptr<float>();
   parallel_channels(s.b * s.L, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) conv_out_row(s, px, pw, pb, silu, r / s.L, r % s.L, po + r * s.d);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t bi = r / s.L, t = r % s.L;
+      if (r + 4 <= end && s.full_block4(bi, t)) {  // rows t..t+3 at once
+        const float* xs[7];
+        for (int64_t i = 0; i < 7; ++i) xs[i] = s.row(px, bi, s.P + t - 3 + i);
+        if (silu) pb ? conv_block4<true, true>(xs, pw, pb, s.d, po + r * s.d, s.d)
+                     : conv_block4<true, false>(xs, pw, pb, s.d, po + r * s.d, s.d);
+        else pb ? conv_block4<false, true>(xs, pw, pb, s.d, po + r * s.d, s.d)
+                : conv_block4<false, false>(xs, pw, pb, s.d, po + r * s.d, s.d);
+        r += 3;
+        continue;
+      }
+      conv_out_row(s, px, pw, pb, silu, bi, t, po + r * s.d);
+    }
   });
   return out;
 }
@@ -500,6 +595,19 @@ std::vector<torch::Tensor> conv_silu_backward(torch::Tensor gout, torch::Tensor 
       const int64_t bi = r / s.L, t = r % s.L;
       float* __restrict__ gp = pgp + r * s.d;
       const float* __restrict__ g = pg + bi * gsb + t * gst;
+      if (r + 4 <= end && s.full_block4(bi, t)) {  // rows t..t+3 at once
+        const float* xs[7];
+        const float* gs[4];
+        float* gps[4];
+        for (int64_t i = 0; i < 7; ++i) xs[i] = s.row(px, bi, s.P + t - 3 + i);
+        for (int64_t i = 0; i < 4; ++i) gs[i] = g + i * gst, gps[i] = gp + i * s.d;
+        if (silu) pb ? conv_block4_backward<true, true>(xs, gs, gps, pw, pb, s.d, gwt)
+                     : conv_block4_backward<true, false>(xs, gs, gps, pw, pb, s.d, gwt);
+        else pb ? conv_block4_backward<false, true>(xs, gs, gps, pw, pb, s.d, gwt)
+                : conv_block4_backward<false, false>(xs, gs, gps, pw, pb, s.d, gwt);
+        r += 3;
+        continue;
+      }
       if (s.K == K4 && s.reach(bi, t) == K4 - 1) {
         const Taps4 tp(s, px, bi, t);
         if (silu) pb ? conv_row4_backward<true, true>(tp, pw, pb, g, s.d, gp, gwt)
@@ -528,7 +636,18 @@ std::vector<torch::Tensor> conv_silu_backward(torch::Tensor gout, torch::Tensor 
   });
   const int64_t rows = s.P + s.L;
   parallel_channels(s.b * rows, static_cast<int>(threads), [&](int, int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) conv_in_grad_row(s, pgp, pw, r / rows, r % rows, pgx + r * s.d);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t bi = r / rows, xt = r % rows;
+      if (r + 4 <= end && xt + 4 <= rows && read_by_all4(s, bi, xt) && read_by_all4(s, bi, xt + 3) &&
+          read_by_all4(s, bi, xt + 1) && read_by_all4(s, bi, xt + 2)) {
+        const float* gs[7];
+        for (int64_t i = 0; i < 7; ++i) gs[i] = pgp + (bi * s.L + xt - s.P + i) * s.d;
+        conv_in_grad_block4(gs, pw, s.d, pgx + r * s.d, s.d);
+        r += 3;
+        continue;
+      }
+      conv_in_grad_row(s, pgp, pw, bi, xt, pgx + r * s.d);
+    }
   });
   auto gw = gw_part.sum(0);
   // copies, not views of gw: a custom op's outputs may not alias one another
