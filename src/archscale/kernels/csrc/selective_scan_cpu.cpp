@@ -384,8 +384,8 @@ inline void conv_row(const ConvDims& s, const float* x, const float* w, const fl
 // four neighbouring rows all qualify, the *_block4 loops below take them together: 7 input rows read for 4
 // outputs, not 16, and the weight gradients read and written once per 4 rows. At (4, 512, 2048) on a 2-core
 // Xeon that took the forward from 1.73 to 1.40 ms and the backward from ~4.2 to ~2.8 ms (medians, A/B pairs).
-// The backward then works in tiles of CONV_TILE rows: gpre never becomes a whole (b, L, d) tensor (one less
-// written and read back, ~2.5 ms there, and one less allocation), at the price of K - 1 rows made twice a tile.
+// The backward then works in tiles of CONV_TILE rows: gpre never becomes a whole (b, L, d) tensor, written and
+// read back (medians ~2.8 -> 2.5-2.7 ms there; one allocation fewer), at the price of K - 1 rows made twice a tile.
 constexpr int64_t K4 = 4;
 
 // the taps' rows, newest first: x[j] is the input j steps back from output (bi, t)
