@@ -146,3 +146,39 @@ def test_ratio_intervals_cover_the_estimate_and_narrow_with_rounds(load_module):
         assert lo < 0.86 < hi
     with pytest.raises(ValueError):
         load_module.ratio_intervals(base, other[:-1])
+
+
+SAVED_RUN = """torch 2.13.0+cpu, 2 threads, B4 x T512
+  round 1: transformer 2,000.0  gdny 1,700.0 tok/s; matmul peak 330.0 / 331.0 GFLOP/s (before / after)
+  round 2: gdny 1,000.0  transformer 2,000.0 tok/s; matmul peak 200.0 / 331.0 GFLOP/s  (slow: not counted)
+  round 3: transformer 2,100.0  gdny 1,800.0 tok/s; matmul peak 330.0 / 250.0 GFLOP/s (before / after)
+  round 4: gdny 1,750.0  transformer 2,050.0 tok/s; matmul peak 330.0 / 331.0 GFLOP/s (before / after)
+  rounds 3 not counted after all: a later peak put the run's best at 360.0 GFLOP/s, and theirs fell below
+rounds counted: 2 (2 of 4 run were quiet and at full speed)
+"""
+
+
+def test_pool_rounds_keeps_only_the_rounds_the_run_counted(tmp_path, capsys):
+    """A round marked "not counted" and one listed "not counted after all" stay out, whatever the order the
+    models ran in; the pooled ratios are those of the rounds kept (two runs: 1,700/2,000 and 1,750/2,050 each)."""
+    pool = load("pool_rounds")
+    run, again = tmp_path / "run.txt", tmp_path / "again.txt"
+    run.write_text(SAVED_RUN)
+    again.write_text(SAVED_RUN)
+    assert pool.counted_rounds(str(run), ["transformer", "gdny"]) == [
+        {"transformer": 2000.0, "gdny": 1700.0}, {"transformer": 2050.0, "gdny": 1750.0}]
+    pool.main([str(run), str(again), "--archs", "transformer,gdny"])
+    out = capsys.readouterr().out
+    assert "4 counted rounds from 2 runs" in out
+    assert f"ratio of medians {1725 / 2025:.3f}" in out and f"per-round median {(0.85 + 1750 / 2050) / 2:.3f}" in out
+
+
+def test_pool_rounds_says_what_is_wrong_in_one_line(tmp_path):
+    pool = load("pool_rounds")
+    (tmp_path / "empty.txt").write_text("no rounds here\n")
+    for argv, message in (([str(tmp_path / "missing.txt")], "cannot read"),
+                          ([str(tmp_path / "empty.txt")], "no counted round"),
+                          ([str(tmp_path / "empty.txt"), "--archs", "gdny"], "needs the reference"),
+                          ([str(tmp_path / "empty.txt")] * 2, "given twice")):
+        with pytest.raises(SystemExit, match=message):
+            pool.main(argv)
