@@ -453,8 +453,10 @@ def _scan_backward_cpu(ctx, kq, v, f, states, kqS, u, do, dlast, want_dh0):
 class _ChunkedGatedDeltaCPU(torch.autograd.Function):
     """impl "cpu" without document masks: the keys' and queries' l2norm and layout (`_KeysOverQueries`), the
     factors (`_factors`) and the loops (`_scan`) in one C++ pass forward, and the same backward, each chunk's
-    work done while its rows are in cache. k, q (b, t, h, K) and v (b, t, h, V) fp32, unit inner stride; g, beta
-    (n, b, h, C) chunk-major. Returns o (b, t, h, V) and S_n (not computed unless `need_last`)."""
+    work done while its rows are in cache. It saves z = v - eG k S per chunk where `_scan` saves [k S; q S] and u
+    (a third of the bytes): the backward makes u = Tb z again and the gate's gradient from d[kS; qS] S^T. k, q
+    (b, t, h, K) and v (b, t, h, V) fp32, unit inner stride; g, beta (n, b, h, C) chunk-major. Returns o
+    (b, t, h, V) and S_n (not computed unless `need_last`)."""
 
     @staticmethod
     def forward(ctx, k, q, v, g, beta, h0, C, scale, normalise, need_last):

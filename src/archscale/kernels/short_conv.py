@@ -11,7 +11,8 @@ Implementations (``impl=``, or ``ARCHSCALE_CONV_IMPL`` for auto):
 
 - ``"cpu"``: the fused C++ kernel of `kernels/scan_cpu.py` (the module Mamba-1's scan and conv are built in):
   one pass over x each way, threaded over rows, document bounds as a per-step tap count; with K = 4 (the
-  mixers' default) all of an output row's taps in one pass over its channels. The Python path below spent ~90 ms
+  mixers' default) all of an output row's taps in one pass over its channels, four rows at a time where all
+  their taps are in reach; the backward in 32-row tiles, its pre-activation gradient never a whole tensor. The Python path below spent ~90 ms
   of a ~2.2 s GDNY d4 training step in its per-tap passes (docs/BENCHMARKS.md).
 - ``"torch"`` (the reference; CUDA and wherever the kernel did not build): K multiply-adds into one buffer and
   the activation in place; the backward is one silu backward, K multiply-adds for dx and K dot products for dw.
