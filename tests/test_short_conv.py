@@ -129,6 +129,17 @@ def test_long_packed_rows_match_per_document_conv(impl):
     assert_close(grads_of(conv_of(impl), xp, w, b, doc_ids, True), grads_of(oracle, xp, w, b, doc_ids, True))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_output_rows_gives_zero_history_gradients(impl):
+    """History only, no new step (T = 0): an empty output, and gradients of 0, not of uninitialised memory."""
+    x = torch.randn(2, 3, 5, requires_grad=True)
+    w = torch.randn(5, 4, requires_grad=True)
+    out = conv_of(impl)(x, w, None, None, True)
+    assert out.shape == (2, 0, 5)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(w.grad, torch.zeros_like(w))
+
+
 @pytest.mark.skipif(not scan_cpu.available(), reason="the CPU kernel did not build")
 def test_cpu_kernel_threads_agree_and_is_chosen():
     """auto takes the C++ kernel on CPU; it splits rows over torch's threads (each thread its own partial weight

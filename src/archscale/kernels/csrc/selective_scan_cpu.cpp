@@ -645,8 +645,9 @@ std::vector<torch::Tensor> conv_silu_backward(torch::Tensor gout, torch::Tensor 
                                               torch::Tensor bias, int64_t prefix, torch::Tensor back, bool silu,
                                               int64_t threads) {
   const ConvDims s(x, wT, prefix, back);
-  TORCH_CHECK(gout.stride(2) == 1, "conv_silu: gout needs unit channel stride");
-  auto gx = torch::empty({s.b, s.P + s.L, s.d}, x.options());
+  TORCH_CHECK(gout.numel() == 0 || gout.stride(2) == 1, "conv_silu: gout needs unit channel stride");
+  // no output rows: no tile, and the history rows' gradients are 0
+  auto gx = s.L ? torch::empty({s.b, s.P + s.L, s.d}, x.options()) : torch::zeros({s.b, s.P, s.d}, x.options());
   auto gw_part = torch::zeros({slots(threads), s.K + 1, s.d}, x.options());  // per thread: K taps, then the bias
   const ConvGrads cg{s, x.data_ptr<float>(), wT.data_ptr<float>(), bias.numel() ? bias.data_ptr<float>() : nullptr,
                      gout.data_ptr<float>(), gout.stride(0), gout.stride(1), silu};
